@@ -1,0 +1,27 @@
+"""Operator-based selective activation checkpointing for PyTorch.
+
+``checkpoint_blocks(model, mode="selective")`` wraps each transformer block in a non-reentrant
+checkpoint region and decides per operator, by name or namespace, what to keep and what to
+replay. prime_ac imports torch only: it knows operators by name, never by import.
+"""
+
+from prime_ac.blocks import checkpoint_blocks, find_blocks, unwrap_blocks
+from prime_ac.config import ACConfig
+from prime_ac.policy import MODES, OperatorPolicy, ReplayMismatchError, context_fn, make_policy
+from prime_ac.targets import DEFAULT_TARGETS, HOST_SYNC_TARGETS, MANDATORY_TARGETS, Target
+
+__all__ = [
+    "DEFAULT_TARGETS",
+    "HOST_SYNC_TARGETS",
+    "MANDATORY_TARGETS",
+    "MODES",
+    "ACConfig",
+    "OperatorPolicy",
+    "ReplayMismatchError",
+    "Target",
+    "checkpoint_blocks",
+    "context_fn",
+    "find_blocks",
+    "make_policy",
+    "unwrap_blocks",
+]

@@ -1,0 +1,59 @@
+"""``ACConfig``: the ``[trainer.model.ac]`` table, validated."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from prime_ac.targets import Target
+
+__all__ = ["ACConfig"]
+
+_MODES = ("full", "selective")
+
+
+@dataclass(frozen=True)
+class ACConfig:
+    """Activation-checkpointing settings as a trainer's config file states them.
+
+    ``mode`` is ``"full"`` (keep only the mandatory operators) or ``"selective"`` (also keep
+    ``targets``); ``freq=k`` checkpoints every k-th block; ``targets=None`` means the defaults.
+
+    Example (TOML)::
+
+        [trainer.model.ac]
+        mode = "selective"
+        freq = 1
+        targets = ["aten::mm", "prime_rl_collectives"]
+    """
+
+    mode: str = "full"
+    freq: int = 1
+    targets: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in _MODES:
+            raise ValueError(f"mode={self.mode!r} is not a checkpoint mode: use one of {list(_MODES)}")
+        if isinstance(self.freq, bool) or not isinstance(self.freq, int) or self.freq < 1:
+            raise ValueError(f"freq={self.freq!r} must be an integer >= 1 (1 checkpoints every block)")
+        if self.targets is not None:
+            if isinstance(self.targets, str) or not isinstance(self.targets, (list, tuple)):
+                raise ValueError(
+                    f"targets={self.targets!r} must be a list of operator names or namespaces, "
+                    "e.g. ['aten::mm', 'prime_rl_attn'], or omitted for the defaults"
+                )
+            for target in self.targets:
+                Target.parse(target)
+            object.__setattr__(self, "targets", tuple(self.targets))
+
+    @classmethod
+    def from_dict(cls, table: Mapping[str, Any]) -> ACConfig:
+        """Read the ``[trainer.model.ac]`` table; unknown keys raise ValueError naming them."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(table) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown activation-checkpointing key(s) {unknown}: accepted keys are {sorted(known)}"
+            )
+        return cls(**table)

@@ -1,0 +1,187 @@
+"""The per-operator save/replay policy and the selective-checkpoint context that applies it."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
+
+import torch
+from torch.utils.checkpoint import (
+    SAC_IGNORED_OPS,
+    CheckpointPolicy,
+    _CachedTorchDispatchMode,
+    _CachingTorchDispatchMode,
+    _sac_storage_key,
+)
+
+from prime_ac.targets import (
+    DEFAULT_TARGETS,
+    HOST_SYNC_TARGETS,
+    MANDATORY_TARGETS,
+    TargetSet,
+    operator_key,
+)
+
+__all__ = [
+    "MODES",
+    "OperatorPolicy",
+    "ReplayMismatchError",
+    "context_fn",
+    "make_policy",
+    "reads_device_into_host",
+]
+
+Mode = Literal["full", "selective"]
+MODES: tuple[str, ...] = ("full", "selective")
+
+# Decisions, as the policy classifies an operator. HOST_SYNC depends on the call's devices.
+MANDATORY, KEPT, REPLAYED, HOST_SYNC = "mandatory", "kept", "replayed", "host_sync"
+
+_SAVE = CheckpointPolicy.MUST_SAVE
+_RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
+_HOST_SYNC_OPS = frozenset(tuple(t.split("::")) for t in HOST_SYNC_TARGETS)
+
+# FSDP2 runs its hooks under record_function; a recompute can emit a different number of these
+# markers than the forward did. They carry no data, so both modes let them through uncounted.
+_REPLAY_IGNORED_OPS = frozenset(
+    {
+        torch.ops.profiler._record_function_enter.default,
+        torch.ops.profiler._record_function_enter_new.default,
+        torch.ops.profiler._record_function_exit._RecordFunction,
+    }
+)
+
+
+class ReplayMismatchError(RuntimeError):
+    """The recompute of a checkpointed block ran an operator its forward did not run."""
+
+
+class OperatorPolicy:
+    """``policy(ctx, op, *args, **kwargs) -> CheckpointPolicy`` for selective checkpointing.
+
+    The decision for an operator overload is computed once and cached, so the policy costs a
+    dictionary lookup per op in eager mode. Mandatory operators are MUST_SAVE in every mode;
+    targets are MUST_SAVE in selective mode unless their schema mutates an argument (a cached
+    result would skip the write on recompute); everything else is PREFER_RECOMPUTE.
+    """
+
+    def __init__(self, mode: Mode, targets: TargetSet, mandatory: TargetSet):
+        self.mode = mode
+        self.targets = targets
+        self.mandatory = mandatory
+        self._decisions: dict[Any, str] = {}
+
+    def classify(self, op: Any) -> str:
+        """``"mandatory"``, ``"kept"``, ``"replayed"`` or ``"host_sync"`` for an operator."""
+        decision = self._decisions.get(op)
+        if decision is None:
+            decision = self._decisions[op] = self._decide(op)
+        return decision
+
+    def _decide(self, op: Any) -> str:
+        key = operator_key(op)
+        if self.mandatory.matches(key):
+            return MANDATORY
+        mutates = isinstance(op, torch._ops.OpOverload) and op._schema.is_mutable
+        if self.mode == "selective" and not mutates and self.targets.matches(key):
+            return KEPT
+        if key[:2] in _HOST_SYNC_OPS:
+            return HOST_SYNC
+        return REPLAYED
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        decision = self._decisions.get(op) or self.classify(op)
+        if decision is REPLAYED:
+            return _RECOMPUTE
+        if decision is HOST_SYNC:
+            return _SAVE if reads_device_into_host(op, args, kwargs) else _RECOMPUTE
+        return _SAVE
+
+    def __repr__(self) -> str:
+        return (
+            f"OperatorPolicy(mode={self.mode!r}, targets={list(self.targets)!r}, "
+            f"mandatory={list(self.mandatory)!r})"
+        )
+
+
+def reads_device_into_host(op: Any, args: tuple, kwargs: dict) -> bool:
+    """True for ``_to_copy(device_tensor, device=cpu)`` and ``_local_scalar_dense(device_tensor)``."""
+    source = args[0] if args else None
+    if not isinstance(source, torch.Tensor) or source.device.type == "cpu":
+        return False
+    if op._opname == "_local_scalar_dense":
+        return True
+    device = kwargs.get("device")
+    return device is not None and torch.device(device).type == "cpu"
+
+
+def make_policy(
+    mode: Mode = "selective",
+    targets: Iterable[str] | None = None,
+    mandatory: Iterable[str] = (),
+) -> OperatorPolicy:
+    """Build the policy callable for ``create_selective_checkpoint_contexts``.
+
+    ``targets=None`` keeps :data:`DEFAULT_TARGETS` (selective mode); a list replaces them; ``[]``
+    keeps only the mandatory set. ``mandatory`` adds to :data:`MANDATORY_TARGETS`; it cannot
+    remove from it. Full mode ignores ``targets`` and keeps only the mandatory set.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is not a checkpoint mode: use one of {list(MODES)}")
+    target_set = TargetSet(DEFAULT_TARGETS if targets is None else targets)
+    mandatory_set = TargetSet((*MANDATORY_TARGETS, *TargetSet(mandatory)))
+    return OperatorPolicy(mode, target_set, mandatory_set)
+
+
+def context_fn(
+    mode: Mode = "selective",
+    targets: Iterable[str] | None = None,
+    mandatory: Iterable[str] = (),
+    *,
+    policy: OperatorPolicy | None = None,
+    name: str = "<checkpointed region>",
+) -> Callable[[], tuple[Any, Any]]:
+    """What ``torch.utils.checkpoint.checkpoint(..., context_fn=...)`` takes.
+
+    For trainers that wrap regions themselves. ``name`` appears in replay-mismatch errors.
+    """
+    policy = make_policy(mode, targets, mandatory) if policy is None else policy
+
+    def contexts() -> tuple[Any, Any]:
+        storage: dict[Any, dict[int, Any]] = defaultdict(dict)
+        return _CachingMode(policy, storage), _ReplayMode(storage, name)
+
+    return contexts
+
+
+class _CachingMode(_CachingTorchDispatchMode):
+    """torch's SAC forward mode, letting profiler markers through uncounted."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _REPLAY_IGNORED_OPS:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class _ReplayMode(_CachedTorchDispatchMode):
+    """torch's SAC recompute mode with the same markers ignored and errors that name the block."""
+
+    def __init__(self, storage: dict[Any, dict[int, Any]], name: str):
+        super().__init__(None, storage)
+        self.name = name
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _REPLAY_IGNORED_OPS:
+            return func(*args, **(kwargs or {}))
+        key = _sac_storage_key(func, args)
+        index = self.func_counter[key]
+        if func not in SAC_IGNORED_OPS and index not in self.storage.get(key, ()):
+            raise ReplayMismatchError(
+                f"prime_ac: the recompute of {self.name} ran {func} (call #{index + 1}) which its "
+                "forward did not run. The block must run the same operators in forward and "
+                "recompute: create lazily built state (communication buffers, caches) before the "
+                "first checkpointed forward, and keep data-dependent control flow out of the block "
+                "or make its inputs mandatory targets."
+            )
+        return super().__torch_dispatch__(func, types, args, kwargs)

@@ -1,0 +1,177 @@
+"""Operator targets: the string grammar, the default and mandatory sets, and matching.
+
+prime_ac knows operators only by name, so a trainer can name ops of libraries that are not
+installed or not yet imported. Accepted forms:
+
+- ``ns``: every operator of a namespace (``"prime_rl_collectives"``)
+- ``ns::op``: every overload of one operator (``"aten::mm"`` also matches ``aten::mm.out``)
+- ``ns::op.overload``: one overload (``"aten::mm.default"``)
+- higher-order operators live in namespace ``higher_order`` (``"higher_order::flex_attention"``)
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "DEFAULT_TARGETS",
+    "HOST_SYNC_TARGETS",
+    "MANDATORY_TARGETS",
+    "Target",
+    "TargetSet",
+    "operator_key",
+]
+
+_IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
+_TARGET = re.compile(rf"(?P<ns>{_IDENT})(?:::(?P<op>{_IDENT})(?:\.(?P<overload>{_IDENT}))?)?")
+_FORMS = "'ns', 'ns::op' or 'ns::op.overload' (e.g. 'prime_rl_attn', 'aten::mm', 'aten::mm.default')"
+
+_ATTENTION = (
+    "aten::_scaled_dot_product_flash_attention",
+    "aten::_scaled_dot_product_efficient_attention",
+    "aten::_scaled_dot_product_cudnn_attention",
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_scaled_dot_product_fused_attention_overrideable",
+    "flash_attn",
+    "flash_attn_3",
+    "prime_rl_attn",
+    "higher_order::flex_attention",
+)
+_MATMUL = (
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+    "aten::convolution",
+    "aten::_grouped_mm",
+    "aten::_scaled_mm",
+    "aten::_scaled_grouped_mm",
+    "prime_rl::fp8_blockwise_mm",
+    "prime_rl::grouped_fp8_gemm",
+    "quack::linear",
+    "quack::gated_gemm",
+)
+_COMMUNICATION = (
+    "prime_rl_collectives",
+    "_c10d_functional::all_to_all_single",
+    "_c10d_functional::reduce_scatter_tensor",
+)
+
+DEFAULT_TARGETS: tuple[str, ...] = _ATTENTION + _MATMUL + _COMMUNICATION
+"""What ``mode="selective"`` keeps when ``targets`` is None: attention, matrix products and
+communication. Elementwise ops, norms, reshapes and RoPE replay."""
+
+MANDATORY_TARGETS: tuple[str, ...] = (
+    "deepep",
+    "aten::topk",
+    "prime_rl::record_moe_routing_statistics",
+)
+"""Kept in every mode, whatever ``targets`` says: non-replayable communication (DeepEP), routing
+(top-k must pick the same experts in the recompute) and telemetry (must count once)."""
+
+HOST_SYNC_TARGETS: tuple[str, ...] = ("aten::_to_copy", "aten::_local_scalar_dense")
+"""Kept in every mode when they read a non-CPU tensor into host memory (a device-to-host copy,
+``.item()``): a replay would sync the host a second time and could see different metadata."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """One parsed target string."""
+
+    namespace: str
+    op: str | None = None
+    overload: str | None = None
+
+    @classmethod
+    def parse(cls, text: Any) -> Target:
+        if not isinstance(text, str):
+            raise ValueError(f"target {text!r} is a {type(text).__name__}, expected a string: {_FORMS}")
+        match = _TARGET.fullmatch(text)
+        if match is None or (match["overload"] is not None and match["ns"] == "higher_order"):
+            raise ValueError(f"invalid operator target {text!r}: expected {_FORMS}")
+        return cls(match["ns"], match["op"], match["overload"])
+
+    def __str__(self) -> str:
+        text = self.namespace
+        if self.op is not None:
+            text += f"::{self.op}"
+        if self.overload is not None:
+            text += f".{self.overload}"
+        return text
+
+    def problem(self, registered: set[str] | None = None) -> str | None:
+        """Why no dispatch mode can see this target now, or None if it can.
+
+        Unregistered names are legal (backends register late), so this is for reporting only.
+        ``registered`` is the set of ``ns::op`` names, when the caller already has it.
+        """
+        if registered is None:
+            registered = set(torch._C._dispatch_get_all_op_names())
+        if self.namespace == "higher_order":
+            if self.op is None or hasattr(torch.ops.higher_order, self.op):
+                return None
+            return "names no registered higher-order operator"
+        if self.op is None:
+            prefix = f"{self.namespace}::"
+            if any(name.startswith(prefix) for name in registered):
+                return None
+            return "names a namespace with no registered operator"
+        qualified = f"{self.namespace}::{self.op}"
+        if qualified not in registered:
+            return "names no registered operator"
+        packet = getattr(getattr(torch.ops, self.namespace), self.op)
+        overloads = packet.overloads() if self.overload is None else [self.overload]
+        if self.overload is not None and self.overload not in packet.overloads():
+            return f"names no registered overload (known: {', '.join(packet.overloads())})"
+        if all(_is_composite_implicit(getattr(packet, name)) for name in overloads):
+            return (
+                "is CompositeImplicitAutograd: it decomposes before any dispatch mode sees it, "
+                "so target the operators it decomposes into instead"
+            )
+        return None
+
+
+def _is_composite_implicit(op: torch._ops.OpOverload) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+
+
+def operator_key(op: Any) -> tuple[str, str, str | None]:
+    """``(namespace, op, overload)`` of an OpOverload or a higher-order operator."""
+    if isinstance(op, torch._ops.OpOverload):
+        return op.namespace, op._opname, op._overloadname
+    return op.namespace, op.name(), None
+
+
+class TargetSet:
+    """A parsed, validated set of targets with constant-time matching."""
+
+    def __init__(self, targets: Iterable[str]):
+        if isinstance(targets, str):
+            raise ValueError(
+                f"targets must be a list of strings, got the string {targets!r}: "
+                f"write [{targets!r}]"
+            )
+        self.targets: tuple[Target, ...] = tuple(Target.parse(t) for t in targets)
+        self._namespaces = {t.namespace for t in self.targets if t.op is None}
+        self._ops = {(t.namespace, t.op) for t in self.targets if t.op and t.overload is None}
+        self._overloads = {(t.namespace, t.op, t.overload) for t in self.targets if t.overload}
+
+    def matches(self, key: tuple[str, str, str | None]) -> bool:
+        return key[0] in self._namespaces or key[:2] in self._ops or key in self._overloads
+
+    def problems(self) -> list[tuple[str, str]]:
+        """``(target, reason)`` for each target no dispatch mode can currently see."""
+        registered = set(torch._C._dispatch_get_all_op_names())
+        return [
+            (str(t), reason) for t in self.targets if (reason := t.problem(registered)) is not None
+        ]
+
+    def __iter__(self):
+        return iter(str(t) for t in self.targets)
+
+    def __len__(self) -> int:
+        return len(self.targets)
