@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -25,7 +25,7 @@ __all__ = ["BlockSelector", "checkpoint_blocks", "find_blocks", "unwrap_blocks"]
 
 logger = logging.getLogger("prime_ac")
 
-BlockSelector = Union[None, str, Sequence[str], Callable[[str, nn.Module], bool]]
+BlockSelector = str | Sequence[str] | Callable[[str, nn.Module], bool] | None
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 _reported: set[tuple[str, str]] = set()
 

@@ -1,1 +1,300 @@
-"""Placeholder: filled in by its issue."""
+"""Differentiable collectives as one opaque operator each: namespace ``prime_rl_collectives``.
+
+Expert and context parallelism move activations between ranks inside a transformer block. As
+registered custom ops, each collective is a single node that autograd, torch.compile and
+checkpoint policies (``prime_ac`` targets the whole namespace) all see the same way. Every op's
+backward is its adjoint collective, itself one of these ops, so double backward and recompute
+stay inside the namespace.
+
+The ops take the process group by name (``ProcessGroup.group_name``): a schema carries strings,
+not Python objects. The fronts below take a ``ProcessGroup`` (default: the world group).
+Arguments are validated before any communication starts, so a bad call raises on the rank that
+made it instead of leaving its peers waiting inside a half-started collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+__all__ = [
+    "all_gather",
+    "all_to_all_single",
+    "all_to_all_single_equal",
+    "reduce_scatter_sum",
+]
+
+NAMESPACE = "prime_rl_collectives"
+
+
+# --- validation (shared by kernels and fakes; never communicates) ----------------------------
+
+
+def _resolve(group_name: str) -> dist.ProcessGroup:
+    try:
+        return _resolve_process_group(group_name)
+    except RuntimeError as exc:
+        raise ValueError(
+            f"group_name={group_name!r} names no live process group; pass the group_name of a "
+            "ProcessGroup created by torch.distributed (or use the prime_ops.collectives fronts, "
+            "which take the group itself)"
+        ) from exc
+
+
+def _check_rank(x: torch.Tensor, op: str) -> None:
+    if x.dim() == 0:
+        raise ValueError(f"{op}: x must have at least one dimension, got a 0-d tensor")
+
+
+def _check_dim(x: torch.Tensor, dim: int, op: str) -> int:
+    _check_rank(x, op)
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(
+            f"{op}: dim={dim} is out of range for x of shape {tuple(x.shape)}; "
+            f"pass a dim in [{-x.dim()}, {x.dim() - 1}]"
+        )
+    return dim % x.dim()
+
+
+def _check_divisible(x: torch.Tensor, dim: int, world: int, op: str) -> None:
+    if x.shape[dim] % world != 0:
+        raise ValueError(
+            f"{op}: x.shape[{dim}]={x.shape[dim]} is not divisible by the group size {world}; "
+            f"{op} splits dim {dim} into {world} equal parts, so pad it to a multiple of {world}"
+        )
+
+
+def _check_split_tensor(name: str, splits: torch.Tensor, world: int) -> None:
+    if splits.dtype.is_floating_point or splits.dtype.is_complex or splits.dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer (int64) tensor, got dtype {splits.dtype}")
+    if splits.dim() != 1 or splits.numel() != world:
+        raise ValueError(
+            f"{name} has shape {tuple(splits.shape)} but the group has {world} ranks; "
+            f"pass one split size per rank (shape ({world},))"
+        )
+
+
+def _split_sizes(name: str, splits: torch.Tensor) -> list[int]:
+    """Read split sizes to the host (a device sync when they live on an accelerator)."""
+    sizes = splits.tolist()
+    if any(s < 0 for s in sizes):
+        raise ValueError(f"{name} must not contain negative sizes, got {sizes}")
+    return sizes
+
+
+# --- all_to_all_single ----------------------------------------------------------------------
+
+
+@torch.library.custom_op(f"{NAMESPACE}::all_to_all_single", mutates_args=())
+def _all_to_all_single(
+    x: torch.Tensor, output_splits: torch.Tensor, input_splits: torch.Tensor, group_name: str
+) -> torch.Tensor:
+    """Rows ``x[sum(input_splits[:i]) : ...]`` go to rank i; rank i's rows arrive in order."""
+    op = "all_to_all_single"
+    group = _resolve(group_name)
+    _check_rank(x, op)
+    _check_split_tensor("output_splits", output_splits, group.size())
+    _check_split_tensor("input_splits", input_splits, group.size())
+    out_sizes = _split_sizes("output_splits", output_splits)
+    in_sizes = _split_sizes("input_splits", input_splits)
+    if sum(in_sizes) != x.shape[0]:
+        raise ValueError(
+            f"{op}: input_splits {in_sizes} sum to {sum(in_sizes)} but x has {x.shape[0]} rows "
+            "along dim 0; input_splits[i] is the number of rows sent to rank i"
+        )
+    out = x.new_empty((sum(out_sizes), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_sizes, in_sizes, group=group)
+    return out
+
+
+@_all_to_all_single.register_fake
+def _(x, output_splits, input_splits, group_name):
+    world = _resolve(group_name).size()
+    _check_rank(x, "all_to_all_single")
+    _check_split_tensor("output_splits", output_splits, world)
+    _check_split_tensor("input_splits", input_splits, world)
+    # The received row count is the sum of output_splits: known only at run time.
+    rows = torch.library.get_ctx().new_dynamic_size()
+    return x.new_empty((rows, *x.shape[1:]))
+
+
+def _all_to_all_single_setup(ctx, inputs, output):
+    x, output_splits, input_splits, group_name = inputs
+    ctx.rows = x.shape[0]
+    ctx.group_name = group_name
+    ctx.save_for_backward(output_splits, input_splits)
+
+
+def _all_to_all_single_backward(ctx, grad):
+    output_splits, input_splits = ctx.saved_tensors
+    # The adjoint sends every gradient row back where its activation came from.
+    grad_x = _all_to_all_single(grad, input_splits, output_splits, ctx.group_name)
+    torch._check(grad_x.shape[0] == ctx.rows)
+    return grad_x, None, None, None
+
+
+_all_to_all_single.register_autograd(
+    _all_to_all_single_backward, setup_context=_all_to_all_single_setup
+)
+
+
+# --- all_to_all_single_equal ----------------------------------------------------------------
+
+
+@torch.library.custom_op(f"{NAMESPACE}::all_to_all_single_equal", mutates_args=())
+def _all_to_all_single_equal(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Dim 0 splits into group-size equal chunks; chunk i goes to rank i."""
+    group = _resolve(group_name)
+    _check_rank(x, "all_to_all_single_equal")
+    _check_divisible(x, 0, group.size(), "all_to_all_single_equal")
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dist.all_to_all_single(out, x.contiguous(), group=group)
+    return out
+
+
+@_all_to_all_single_equal.register_fake
+def _(x, group_name):
+    world = _resolve(group_name).size()
+    _check_rank(x, "all_to_all_single_equal")
+    _check_divisible(x, 0, world, "all_to_all_single_equal")
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _all_to_all_single_equal_setup(ctx, inputs, output):
+    ctx.group_name = inputs[1]
+
+
+def _all_to_all_single_equal_backward(ctx, grad):
+    # An equal all-to-all is a transpose of (rank, chunk): its own inverse and adjoint.
+    return _all_to_all_single_equal(grad, ctx.group_name), None
+
+
+_all_to_all_single_equal.register_autograd(
+    _all_to_all_single_equal_backward, setup_context=_all_to_all_single_equal_setup
+)
+
+
+# --- all_gather / reduce_scatter_sum --------------------------------------------------------
+
+
+@torch.library.custom_op(f"{NAMESPACE}::all_gather", mutates_args=())
+def _all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``, in rank order."""
+    group = _resolve(group_name)
+    dim = _check_dim(x, dim, "all_gather")
+    src = x.movedim(dim, 0).contiguous()
+    out = src.new_empty((group.size() * src.shape[0], *src.shape[1:]))
+    dist.all_gather_single(out, src, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+@_all_gather.register_fake
+def _(x, dim, group_name):
+    world = _resolve(group_name).size()
+    dim = _check_dim(x, dim, "all_gather")
+    shape = list(x.shape)
+    shape[dim] *= world
+    return x.new_empty(shape)
+
+
+def _gather_scatter_setup(ctx, inputs, output):
+    _, ctx.dim, ctx.group_name = inputs
+
+
+def _all_gather_backward(ctx, grad):
+    # Every rank's copy of the gathered tensor fed its own loss: sum them, keep our chunk.
+    return _reduce_scatter_sum(grad, ctx.dim, ctx.group_name), None, None
+
+
+_all_gather.register_autograd(_all_gather_backward, setup_context=_gather_scatter_setup)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::reduce_scatter_sum", mutates_args=())
+def _reduce_scatter_sum(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    """Sum ``x`` over ranks and keep this rank's equal chunk along ``dim``."""
+    group = _resolve(group_name)
+    dim = _check_dim(x, dim, "reduce_scatter_sum")
+    _check_divisible(x, dim, group.size(), "reduce_scatter_sum")
+    src = x.movedim(dim, 0).contiguous()
+    out = src.new_empty((src.shape[0] // group.size(), *src.shape[1:]))
+    dist.reduce_scatter_single(out, src, op=dist.ReduceOp.SUM, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+@_reduce_scatter_sum.register_fake
+def _(x, dim, group_name):
+    world = _resolve(group_name).size()
+    dim = _check_dim(x, dim, "reduce_scatter_sum")
+    _check_divisible(x, dim, world, "reduce_scatter_sum")
+    shape = list(x.shape)
+    shape[dim] //= world
+    return x.new_empty(shape)
+
+
+def _reduce_scatter_sum_backward(ctx, grad):
+    # Each rank's chunk of the sum depends on every rank's input with weight one.
+    return _all_gather(grad, ctx.dim, ctx.group_name), None, None
+
+
+_reduce_scatter_sum.register_autograd(
+    _reduce_scatter_sum_backward, setup_context=_gather_scatter_setup
+)
+
+
+# --- fronts ---------------------------------------------------------------------------------
+
+
+def _group_name(group: dist.ProcessGroup | None) -> str:
+    if group is not None:
+        return group.group_name
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialized: call torch.distributed.init_process_group() "
+            "first, or pass group= explicitly"
+        )
+    return dist.group.WORLD.group_name
+
+
+def _as_splits(splits: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    if isinstance(splits, torch.Tensor):
+        return splits
+    return torch.tensor(splits, dtype=torch.int64)
+
+
+def all_to_all_single(
+    x: torch.Tensor,
+    output_splits: torch.Tensor | Sequence[int],
+    input_splits: torch.Tensor | Sequence[int],
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Exchange variable-size row blocks of ``x`` (dim 0) with every rank of ``group``.
+
+    ``input_splits[i]`` rows go to rank i; ``output_splits[i]`` rows arrive from rank i. Splits
+    are lists of ints or integer tensors (CPU or on ``x``'s device; the sizes are read to the
+    host). The gradient is the same exchange with the splits swapped.
+    """
+    return _all_to_all_single(
+        x, _as_splits(output_splits), _as_splits(input_splits), _group_name(group)
+    )
+
+
+def all_to_all_single_equal(
+    x: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Split dim 0 into group-size equal chunks, send chunk i to rank i, receive in rank order."""
+    return _all_to_all_single_equal(x, _group_name(group))
+
+
+def all_gather(x: torch.Tensor, dim: int = 0, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Concatenate ``x`` from every rank along ``dim``; the gradient is a sum reduce-scatter."""
+    return _all_gather(x, dim, _group_name(group))
+
+
+def reduce_scatter_sum(
+    x: torch.Tensor, dim: int = 0, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Sum ``x`` over ranks and return this rank's chunk along ``dim``; gradient: all-gather."""
+    return _reduce_scatter_sum(x, dim, _group_name(group))

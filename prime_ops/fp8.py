@@ -1,1 +1,366 @@
-"""Placeholder: filled in by its issue."""
+"""Block-scaled FP8 GEMMs (namespace ``prime_rl``), DeepGEMM on CUDA, a reference kernel on CPU.
+
+``prime_rl::fp8_blockwise_mm(x, weight)`` computes ``x @ weight.T`` after quantizing ``x`` in 1x128
+blocks and ``weight`` in 128x128 blocks to ``torch.float8_e4m3fn`` with fp32 scales (the recipe of
+DeepGEMM's SM90 ``fp8_gemm_nt``). ``prime_rl::grouped_fp8_gemm(x, weight, offsets)`` does the same
+per expert over the contiguous grouped layout: rows ``offsets[g-1]:offsets[g]`` of ``x`` use
+``weight[g]``. Both ops take high-precision tensors and quantize inside, so one opaque op is what
+autograd, torch.compile and checkpoint policies see. The backward ops reuse the same two kernels
+(every product is an "NT" GEMM of a 1x128-quantized left and a 128x128-quantized right operand),
+so the CPU kernels define the semantics the GPU path is tested against.
+
+:func:`fp8_gemm_nt` and :func:`grouped_fp8_gemm_nt` multiply tensors that are already quantized;
+:func:`quantize_blockwise` and :func:`dequantize_blockwise` produce and invert that format.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prime_ops.backends import import_backend
+
+__all__ = [
+    "BLOCK",
+    "FP8_DTYPE",
+    "dequantize_blockwise",
+    "fp8_blockwise_mm",
+    "fp8_gemm_nt",
+    "grouped_fp8_gemm",
+    "grouped_fp8_gemm_nt",
+    "quantize_blockwise",
+]
+
+BLOCK = 128
+FP8_DTYPE = torch.float8_e4m3fn
+_FP8_MAX = torch.finfo(FP8_DTYPE).max
+_HIGH_PRECISION = (torch.bfloat16, torch.float16, torch.float32)
+_BUILD = (
+    "DeepGEMM is built from source: git clone --recursive https://github.com/deepseek-ai/DeepGEMM "
+    "&& cd DeepGEMM && ./install.sh (see docs/backends.md)"
+)
+
+
+def _deep_gemm():
+    return import_backend("deep_gemm", extra="deepgemm", build=_BUILD)
+
+
+def _blocks(n: int) -> int:
+    return -(-n // BLOCK)
+
+
+# --- quantization -------------------------------------------------------------------------------
+
+
+def quantize_blockwise(t: torch.Tensor, block_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D tensor to float8_e4m3fn with one fp32 scale per ``block_rows x 128`` block.
+
+    ``block_rows=1`` is the activation layout (scales ``[M, ceil(K/128)]``), ``block_rows=128``
+    the weight layout (scales ``[ceil(N/128), ceil(K/128)]``). ``dequantize`` is ``q * scale``.
+    """
+    if block_rows not in (1, BLOCK):
+        raise ValueError(f"block_rows must be 1 or {BLOCK}, got {block_rows}")
+    if t.dim() != 2:
+        raise ValueError(f"quantize_blockwise expects a 2-D tensor, got shape {tuple(t.shape)}")
+    rows, cols = t.shape
+    pr = (-rows) % block_rows
+    pc = (-cols) % BLOCK
+    padded = torch.nn.functional.pad(t.float(), (0, pc, 0, pr))
+    nr, nc = (rows + pr) // block_rows, (cols + pc) // BLOCK
+    blocks = padded.view(nr, block_rows, nc, BLOCK)
+    amax = blocks.abs().amax(dim=(1, 3), keepdim=True).clamp(min=1e-12)
+    scale = amax / _FP8_MAX
+    q = (blocks / scale).clamp(-_FP8_MAX, _FP8_MAX).to(FP8_DTYPE)
+    q = q.view(rows + pr, cols + pc)[:rows, :cols].contiguous()
+    return q, scale.view(nr, nc).contiguous()
+
+
+def dequantize_blockwise(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Invert :func:`quantize_blockwise` to fp32; the block height is read off the scale shape."""
+    rows, cols = q.shape
+    block_rows = 1 if scale.shape[0] == rows else BLOCK
+    full = scale.repeat_interleave(block_rows, 0).repeat_interleave(BLOCK, 1)
+    return q.float() * full[:rows, :cols]
+
+
+# --- validation (shared by kernels and fakes: shapes and dtypes only, never values) ------------
+
+
+def _check_fp8(name: str, t: torch.Tensor) -> None:
+    if t.dtype != FP8_DTYPE:
+        raise TypeError(
+            f"{name} must be {FP8_DTYPE} (quantize it with prime_ops.fp8.quantize_blockwise), "
+            f"got {t.dtype}"
+        )
+
+
+def _check_scale(name: str, scale: torch.Tensor, expected: tuple[int, ...], layout: str) -> None:
+    if scale.dtype != torch.float32:
+        raise TypeError(f"{name} must be float32, got {scale.dtype}")
+    if tuple(scale.shape) != expected:
+        raise ValueError(
+            f"{name} has shape {tuple(scale.shape)} but {layout} block scaling with block size "
+            f"{BLOCK} needs {expected}"
+        )
+
+
+def _check_high_precision(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in _HIGH_PRECISION:
+        raise TypeError(
+            f"{name} must be bfloat16, float16 or float32 (the op quantizes it itself), got "
+            f"{t.dtype}; to multiply tensors that are already FP8 use prime_ops.fp8.fp8_gemm_nt"
+        )
+
+
+def _check_multiple(name: str, size: int, what: str) -> None:
+    if size % BLOCK:
+        raise ValueError(
+            f"{name}: {what} is {size}, not a multiple of {BLOCK}; DeepGEMM's block-scaled FP8 "
+            f"GEMMs need {BLOCK}-aligned dimensions (pad it, or keep this layer in bf16)"
+        )
+
+
+def _check_offsets_meta(offsets: torch.Tensor, groups: int) -> None:
+    if offsets.dtype != torch.int32 or offsets.dim() != 1 or offsets.shape[0] != groups:
+        raise ValueError(
+            f"offsets must be a 1-D int32 tensor of {groups} cumulative row ends (one per group "
+            f"of weight), got dtype {offsets.dtype} and shape {tuple(offsets.shape)}"
+        )
+
+
+def _check_offsets_values(offsets: torch.Tensor, rows: int) -> None:
+    """Offsets must be non-decreasing, non-negative and end at the row count.
+
+    Checked on the host for CPU tensors; on CUDA the check is queued on the device
+    (``torch._assert_async``), so it costs no host sync and fails at the next synchronization.
+    """
+    steps = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    ok = (steps >= 0).all() & (offsets[-1] == rows)
+    if offsets.device.type != "cpu":
+        torch._assert_async(ok, "offsets must be non-decreasing and end at the row count of x")
+    elif not bool(ok):
+        raise ValueError(
+            f"offsets must be non-decreasing cumulative row ends that finish at the row count "
+            f"of x ({rows}), got {offsets.tolist()}"
+        )
+
+
+# --- quantized GEMMs ----------------------------------------------------------------------------
+
+
+def fp8_gemm_nt(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """``a @ b.T`` for FP8 ``a [M, K]`` (1x128 scales) and ``b [N, K]`` (128x128 scales).
+
+    CUDA calls ``deep_gemm.fp8_gemm_nt`` (bf16 output, then cast); CPU dequantizes and multiplies
+    in fp32.
+    """
+    _check_fp8("a", a)
+    _check_fp8("b", b)
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(
+            f"a must be [M, K] and b [N, K] with the same K, got {tuple(a.shape)} and "
+            f"{tuple(b.shape)}"
+        )
+    (m, k), n = a.shape, b.shape[0]
+    _check_scale("a_scale", a_scale, (m, _blocks(k)), "1x128 activation")
+    _check_scale("b_scale", b_scale, (_blocks(n), _blocks(k)), "128x128 weight")
+    if a.device.type == "cuda":
+        d = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
+        _deep_gemm().fp8_gemm_nt((a, a_scale), (b, b_scale), d)
+        return d.to(out_dtype)
+    out = dequantize_blockwise(a, a_scale) @ dequantize_blockwise(b, b_scale).T
+    return out.to(out_dtype)
+
+
+def grouped_fp8_gemm_nt(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    offsets: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Rows ``offsets[g-1]:offsets[g]`` of FP8 ``a [M, K]`` times ``b[g].T`` (``b [G, N, K]``).
+
+    CUDA calls ``deep_gemm.m_grouped_fp8_gemm_nt_contiguous`` with the per-row group index it
+    expects; each group's row count must then be a multiple of
+    ``deep_gemm.get_mk_alignment_for_contiguous_layout()`` (DeepEP's ``expert_alignment`` gives
+    that). CPU multiplies group by group in fp32.
+    """
+    _check_fp8("a", a)
+    _check_fp8("b", b)
+    if a.dim() != 2 or b.dim() != 3 or a.shape[1] != b.shape[2]:
+        raise ValueError(
+            f"a must be [M, K] and b [G, N, K] with the same K, got {tuple(a.shape)} and "
+            f"{tuple(b.shape)}"
+        )
+    (m, k), (g, n) = a.shape, b.shape[:2]
+    _check_scale("a_scale", a_scale, (m, _blocks(k)), "1x128 activation")
+    _check_scale("b_scale", b_scale, (g, _blocks(n), _blocks(k)), "128x128 weight")
+    _check_offsets_meta(offsets, g)
+    _check_offsets_values(offsets, m)
+    if a.device.type == "cuda":
+        rows = torch.arange(m, device=a.device, dtype=torch.int32)
+        group_of_row = torch.searchsorted(offsets, rows, right=True).to(torch.int32)
+        d = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
+        _deep_gemm().m_grouped_fp8_gemm_nt_contiguous((a, a_scale), (b, b_scale), d, group_of_row)
+        return d.to(out_dtype)
+    out = a.new_empty(m, n, dtype=out_dtype)
+    start = 0
+    for i, end in enumerate(offsets.tolist()):
+        lhs = dequantize_blockwise(a[start:end], a_scale[start:end])
+        out[start:end] = (lhs @ dequantize_blockwise(b[i], b_scale[i]).T).to(out_dtype)
+        start = end
+    return out
+
+
+# --- the ops ------------------------------------------------------------------------------------
+
+
+def _mm_nt(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Quantize ``a`` (1x128) and ``b`` (128x128), then ``a @ b.T``."""
+    return fp8_gemm_nt(*quantize_blockwise(a, 1), *quantize_blockwise(b, BLOCK), out_dtype)
+
+
+def _grouped_nt(a, b, offsets, out_dtype):
+    qa, sa = quantize_blockwise(a, 1)
+    qb, sb = zip(*(quantize_blockwise(w, BLOCK) for w in b), strict=True)
+    return grouped_fp8_gemm_nt(qa, sa, torch.stack(qb), torch.stack(sb), offsets, out_dtype)
+
+
+def _pad_rows(t: torch.Tensor) -> torch.Tensor:
+    """Zero rows up to a multiple of 128: they add nothing to a product over rows."""
+    return torch.nn.functional.pad(t, (0, 0, 0, (-t.shape[0]) % BLOCK))
+
+
+def _check_mm(x: torch.Tensor, weight: torch.Tensor) -> None:
+    _check_high_precision("x", x)
+    _check_high_precision("weight", weight)
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"fp8_blockwise_mm needs x [M, K] and weight [N, K] with the same K, got "
+            f"{tuple(x.shape)} and {tuple(weight.shape)}"
+        )
+    _check_multiple("x", x.shape[1], "K (in features)")
+    _check_multiple("weight", weight.shape[0], "N (out features)")
+
+
+@torch.library.custom_op("prime_rl::fp8_blockwise_mm", mutates_args=())
+def _fp8_blockwise_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    _check_mm(x, weight)
+    return _mm_nt(x, weight, x.dtype)
+
+
+@_fp8_blockwise_mm.register_fake
+def _(x, weight):
+    _check_mm(x, weight)
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("prime_rl::fp8_blockwise_mm_backward", mutates_args=())
+def _fp8_blockwise_mm_backward(
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_x = _mm_nt(grad, weight.T.contiguous(), x.dtype)
+    grad_w = _mm_nt(_pad_rows(grad).T.contiguous(), _pad_rows(x).T.contiguous(), weight.dtype)
+    return grad_x, grad_w
+
+
+@_fp8_blockwise_mm_backward.register_fake
+def _(grad, x, weight):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _mm_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _mm_backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    return tuple(torch.ops.prime_rl.fp8_blockwise_mm_backward(grad.contiguous(), x, weight))
+
+
+_fp8_blockwise_mm.register_autograd(_mm_backward, setup_context=_mm_setup)
+
+
+def _check_grouped(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> None:
+    _check_high_precision("x", x)
+    _check_high_precision("weight", weight)
+    if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[2]:
+        raise ValueError(
+            f"grouped_fp8_gemm needs x [M, K] and weight [G, N, K] with the same K, got "
+            f"{tuple(x.shape)} and {tuple(weight.shape)}"
+        )
+    _check_multiple("x", x.shape[1], "K (in features)")
+    _check_multiple("weight", weight.shape[1], "N (out features)")
+    _check_offsets_meta(offsets, weight.shape[0])
+
+
+@torch.library.custom_op("prime_rl::grouped_fp8_gemm", mutates_args=())
+def _grouped_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    _check_grouped(x, weight, offsets)
+    return _grouped_nt(x, weight, offsets, x.dtype)
+
+
+@_grouped_fp8_gemm.register_fake
+def _(x, weight, offsets):
+    _check_grouped(x, weight, offsets)
+    return x.new_empty(x.shape[0], weight.shape[1])
+
+
+@torch.library.custom_op("prime_rl::grouped_fp8_gemm_backward", mutates_args=())
+def _grouped_fp8_gemm_backward(
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_x = _grouped_nt(grad, weight.transpose(1, 2), offsets, x.dtype)
+    # dW[g] = grad_g.T @ x_g contracts over each group's rows: one dense NT GEMM per group,
+    # which needs the offsets on the host (one sync per backward on CUDA).
+    grad_w = torch.zeros_like(weight)
+    start = 0
+    for g, end in enumerate(offsets.tolist()):
+        if end > start:
+            lhs = _pad_rows(grad[start:end]).T.contiguous()
+            rhs = _pad_rows(x[start:end]).T.contiguous()
+            grad_w[g] = _mm_nt(lhs, rhs, weight.dtype)
+        start = end
+    return grad_x, grad_w
+
+
+@_grouped_fp8_gemm_backward.register_fake
+def _(grad, x, weight, offsets):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _grouped_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _grouped_backward(ctx, grad):
+    x, weight, offsets = ctx.saved_tensors
+    grad_x, grad_w = torch.ops.prime_rl.grouped_fp8_gemm_backward(
+        grad.contiguous(), x, weight, offsets
+    )
+    return grad_x, grad_w, None
+
+
+_grouped_fp8_gemm.register_autograd(_grouped_backward, setup_context=_grouped_setup)
+
+
+def fp8_blockwise_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` in block-scaled FP8 (``x [..., K]``, ``weight [N, K]``); autograd-enabled."""
+    out = torch.ops.prime_rl.fp8_blockwise_mm(x.reshape(-1, x.shape[-1]), weight)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def grouped_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Per-group ``x_g @ weight[g].T`` in block-scaled FP8 over the contiguous grouped layout.
+
+    ``offsets`` is int32 ``[G]``: the cumulative row end of each group (``offsets[-1] == M``), the
+    convention of ``torch._grouped_mm``.
+    """
+    return torch.ops.prime_rl.grouped_fp8_gemm(x, weight, offsets)

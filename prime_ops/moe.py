@@ -1,1 +1,56 @@
-"""Placeholder: filled in by its issue."""
+"""MoE routing telemetry as a mutating op: ``prime_rl::record_moe_routing_statistics``.
+
+Routers accumulate how many tokens each expert received (for load-balancing bias updates and
+metrics). Done with plain in-place adds, activation checkpointing replays the adds during
+recompute and the counters double. As one mutating custom op the accumulation has a name that
+checkpoint policies keep (``prime_ac`` lists it as mandatory in every mode), so it runs once per
+forward and never in recompute. The name and schema match prime-rl's so its target lists work.
+
+The reference expert-parallel MoE layer that records these statistics lives in
+:mod:`prime_ops.expert_parallel`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["record_moe_routing_statistics"]
+
+
+def _check(tokens_per_expert, routing_confidence_sum, token_counts, confidence) -> None:
+    if token_counts.shape != tokens_per_expert.shape:
+        raise ValueError(
+            f"token_counts has shape {tuple(token_counts.shape)} but tokens_per_expert has "
+            f"{tuple(tokens_per_expert.shape)}; pass one count per expert"
+        )
+    if confidence.shape != routing_confidence_sum.shape:
+        raise ValueError(
+            f"confidence has shape {tuple(confidence.shape)} but routing_confidence_sum has "
+            f"{tuple(routing_confidence_sum.shape)}; pass the confidence already reduced to "
+            "the accumulator's shape (usually a 0-d sum over tokens)"
+        )
+
+
+@torch.library.custom_op(
+    "prime_rl::record_moe_routing_statistics",
+    mutates_args=("tokens_per_expert", "routing_confidence_sum"),
+)
+def record_moe_routing_statistics(
+    tokens_per_expert: torch.Tensor,
+    routing_confidence_sum: torch.Tensor,
+    token_counts: torch.Tensor,
+    confidence: torch.Tensor,
+) -> None:
+    """Add ``token_counts`` into ``tokens_per_expert`` and ``confidence`` into the sum, in place.
+
+    Call it under ``torch.no_grad()`` with detached statistics: it is telemetry, not part of the
+    loss, and has no autograd formula.
+    """
+    _check(tokens_per_expert, routing_confidence_sum, token_counts, confidence)
+    tokens_per_expert.add_(token_counts)
+    routing_confidence_sum.add_(confidence)
+
+
+@record_moe_routing_statistics.register_fake
+def _(tokens_per_expert, routing_confidence_sum, token_counts, confidence):
+    _check(tokens_per_expert, routing_confidence_sum, token_counts, confidence)
