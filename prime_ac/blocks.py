@@ -121,7 +121,9 @@ def _walk(module: nn.Module, prefix: str, take: Callable[[str, nn.Module], bool]
             yield from _walk(child, path, take)
 
 
-def find_blocks(model: nn.Module, blocks: BlockSelector = None) -> list[list[tuple[str, nn.Module]]]:
+def find_blocks(
+    model: nn.Module, blocks: BlockSelector = None
+) -> list[list[tuple[str, nn.Module]]]:
     """The block groups ``checkpoint_blocks`` would wrap, as ``[[(qualified_name, block)]]``.
 
     Each group is one container (``freq`` counts indices within it); a predicate gives one group.
@@ -200,8 +202,8 @@ def checkpoint_blocks(
     else:
         ACConfig(mode=mode, freq=freq, targets=targets)  # validates, same errors as the config
     policy = make_policy(mode, targets, mandatory)
-    named = [*(targets or () if mode == "selective" else ()), *mandatory]
-    _report(TargetSet(named), strict)
+    named = TargetSet(targets or () if mode == "selective" else ())
+    _report(named.problems() + TargetSet(mandatory).problems(mandatory=True), strict)
 
     selected: dict[int, str] = {}
     for group in find_blocks(model, blocks):
@@ -234,9 +236,8 @@ def unwrap_blocks(model: nn.Module) -> list[str]:
     return names
 
 
-def _report(named: TargetSet, strict: bool) -> None:
-    """Log (once per process) or raise for user-named targets no dispatch mode can see."""
-    problems = named.problems()
+def _report(problems: list[tuple[str, str]], strict: bool) -> None:
+    """Log (once per process) or raise for user-named targets the policy can never keep."""
     if strict and problems:
         raise ValueError(
             "targets that no dispatch mode can see (strict=True): "

@@ -34,9 +34,13 @@ class ACConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in _MODES:
-            raise ValueError(f"mode={self.mode!r} is not a checkpoint mode: use one of {list(_MODES)}")
+            raise ValueError(
+                f"mode={self.mode!r} is not a checkpoint mode: use one of {list(_MODES)}"
+            )
         if isinstance(self.freq, bool) or not isinstance(self.freq, int) or self.freq < 1:
-            raise ValueError(f"freq={self.freq!r} must be an integer >= 1 (1 checkpoints every block)")
+            raise ValueError(
+                f"freq={self.freq!r} must be an integer >= 1 (1 checkpoints every block)"
+            )
         if self.targets is not None:
             if isinstance(self.targets, str) or not isinstance(self.targets, (list, tuple)):
                 raise ValueError(

@@ -96,7 +96,12 @@ def main(kinds: list[str], as_json: bool) -> int:
         print(json.dumps({k: [r.__dict__ for r in v] for k, v in report.items()}, indent=2))
     else:
         for kind, results in report.items():
-            print(format_table(f"\n{kind} model: one training step per mode "
-                               "(ratios against no AC; FLOPs against one forward)", results))
+            print(
+                format_table(
+                    f"\n{kind} model: one training step per mode "
+                    "(ratios against no AC; FLOPs against one forward)",
+                    results,
+                )
+            )
     worst = max(r.max_grad_diff for results in report.values() for r in results)
     return 0 if worst == 0.0 else 1

@@ -29,7 +29,9 @@ __all__ = [
 
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 _TARGET = re.compile(rf"(?P<ns>{_IDENT})(?:::(?P<op>{_IDENT})(?:\.(?P<overload>{_IDENT}))?)?")
-_FORMS = "'ns', 'ns::op' or 'ns::op.overload' (e.g. 'prime_rl_attn', 'aten::mm', 'aten::mm.default')"
+_FORMS = (
+    "'ns', 'ns::op' or 'ns::op.overload' (e.g. 'prime_rl_attn', 'aten::mm', 'aten::mm.default')"
+)
 
 _ATTENTION = (
     "aten::_scaled_dot_product_flash_attention",
@@ -89,7 +91,9 @@ class Target:
     @classmethod
     def parse(cls, text: Any) -> Target:
         if not isinstance(text, str):
-            raise ValueError(f"target {text!r} is a {type(text).__name__}, expected a string: {_FORMS}")
+            raise ValueError(
+                f"target {text!r} is a {type(text).__name__}, expected a string: {_FORMS}"
+            )
         match = _TARGET.fullmatch(text)
         if match is None or (match["overload"] is not None and match["ns"] == "higher_order"):
             raise ValueError(f"invalid operator target {text!r}: expected {_FORMS}")
@@ -103,11 +107,12 @@ class Target:
             text += f".{self.overload}"
         return text
 
-    def problem(self, registered: set[str] | None = None) -> str | None:
+    def problem(self, registered: set[str] | None = None, *, mandatory: bool = False) -> str | None:
         """Why no dispatch mode can see this target now, or None if it can.
 
         Unregistered names are legal (backends register late), so this is for reporting only.
         ``registered`` is the set of ``ns::op`` names, when the caller already has it.
+        ``mandatory`` targets are cached even when they mutate (so their effect happens once).
         """
         if registered is None:
             registered = set(torch._C._dispatch_get_all_op_names())
@@ -127,7 +132,12 @@ class Target:
         overloads = packet.overloads() if self.overload is None else [self.overload]
         if self.overload is not None and self.overload not in packet.overloads():
             return f"names no registered overload (known: {', '.join(packet.overloads())})"
-        if all(_is_composite_implicit(getattr(packet, name)) for name in overloads):
+        keepable = [
+            getattr(packet, n) for n in overloads if not getattr(packet, n)._schema.is_mutable
+        ]
+        if not keepable:
+            return "only mutates its arguments: a cached result would skip the write, so it is never kept"
+        if all(_is_composite_implicit(op) for op in keepable):
             return (
                 "is CompositeImplicitAutograd: it decomposes before any dispatch mode sees it, "
                 "so target the operators it decomposes into instead"
@@ -163,11 +173,13 @@ class TargetSet:
     def matches(self, key: tuple[str, str, str | None]) -> bool:
         return key[0] in self._namespaces or key[:2] in self._ops or key in self._overloads
 
-    def problems(self) -> list[tuple[str, str]]:
-        """``(target, reason)`` for each target no dispatch mode can currently see."""
+    def problems(self, *, mandatory: bool = False) -> list[tuple[str, str]]:
+        """``(target, reason)`` for each target the policy can never keep as things stand."""
         registered = set(torch._C._dispatch_get_all_op_names())
         return [
-            (str(t), reason) for t in self.targets if (reason := t.problem(registered)) is not None
+            (str(t), reason)
+            for t in self.targets
+            if (reason := t.problem(registered, mandatory=mandatory)) is not None
         ]
 
     def __iter__(self):

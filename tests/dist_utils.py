@@ -61,9 +61,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> None:
         failures.append(errors.get())
     if failures:
         failures.sort()
-        raise AssertionError(
-            "\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in failures)
-        )
+        raise AssertionError("\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in failures))
     if hung:
         raise AssertionError(f"ranks {hung} did not finish within {timeout}s")
     bad = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]
