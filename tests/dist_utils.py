@@ -32,7 +32,7 @@ def _entry(rank, world_size, init_file, fn, args, errors):
             dist.destroy_process_group()
     except BaseException:  # report every failure, not just the first rank's exit code
         errors.put((rank, traceback.format_exc()))
-        raise SystemExit(1)
+        raise SystemExit(1) from None
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> None:

@@ -65,10 +65,7 @@ def test_mandatory_ops_added_by_the_caller_are_kept_in_full_mode(reference):
 
 # --- MoE routing telemetry: counted once per forward, in every mode --------------------------
 
-try:
-    import prime_ops  # noqa: F401  (provides prime_rl::record_moe_routing_statistics)
-except ImportError:  # pragma: no cover - prime_ops is part of this distribution
-    pass
+import prime_ops  # noqa: E402, F401  (provides prime_rl::record_moe_routing_statistics)
 
 if not hasattr(torch.ops.prime_rl, "record_moe_routing_statistics"):
 
@@ -141,7 +138,7 @@ def test_routing_statistics_count_once(settings):
     loss = model(x)
     after_forward = [layer.tokens_per_expert.clone() for layer in model.layers]
     loss.backward()
-    for layer, counted, ref in zip(model.layers, after_forward, reference.layers):
+    for layer, counted, ref in zip(model.layers, after_forward, reference.layers, strict=True):
         assert counted.sum() == 16 * 2  # every token routed to top_k experts, once
         assert torch.equal(layer.tokens_per_expert, counted), "backward changed the counters"
         assert torch.equal(layer.tokens_per_expert, ref.tokens_per_expert)
