@@ -54,8 +54,8 @@ _MATMUL = (
     "aten::_scaled_grouped_mm",
     "prime_rl::fp8_blockwise_mm",
     "prime_rl::grouped_fp8_gemm",
-    "quack::linear",
-    "quack::gated_gemm",
+    "quack::prime_linear",
+    "quack::prime_grouped_linear",
 )
 _COMMUNICATION = (
     "prime_rl_collectives",

@@ -170,9 +170,7 @@ def fp8_gemm_nt(
     _check_scale("a_scale", a_scale, (m, _blocks(k)), "1x128 activation")
     _check_scale("b_scale", b_scale, (_blocks(n), _blocks(k)), "128x128 weight")
     if a.device.type == "cuda":
-        d = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
-        _deep_gemm().fp8_gemm_nt((a, a_scale), (b, b_scale), d)
-        return d.to(out_dtype)
+        return _deep_gemm_nt(a, a_scale, b, b_scale, out_dtype)
     out = dequantize_blockwise(a, a_scale) @ dequantize_blockwise(b, b_scale).T
     return out.to(out_dtype)
 
@@ -205,11 +203,7 @@ def grouped_fp8_gemm_nt(
     _check_offsets_meta(offsets, g)
     _check_offsets_values(offsets, m)
     if a.device.type == "cuda":
-        rows = torch.arange(m, device=a.device, dtype=torch.int32)
-        group_of_row = torch.searchsorted(offsets, rows, right=True).to(torch.int32)
-        d = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
-        _deep_gemm().m_grouped_fp8_gemm_nt_contiguous((a, a_scale), (b, b_scale), d, group_of_row)
-        return d.to(out_dtype)
+        return _deep_gemm_grouped_nt(a, a_scale, b, b_scale, offsets, out_dtype)
     out = a.new_empty(m, n, dtype=out_dtype)
     start = 0
     for i, end in enumerate(offsets.tolist()):
@@ -217,6 +211,21 @@ def grouped_fp8_gemm_nt(
         out[start:end] = (lhs @ dequantize_blockwise(b[i], b_scale[i]).T).to(out_dtype)
         start = end
     return out
+
+
+def _deep_gemm_nt(a, a_scale, b, b_scale, out_dtype):
+    d = torch.empty(a.shape[0], b.shape[0], dtype=torch.bfloat16, device=a.device)
+    _deep_gemm().fp8_gemm_nt((a, a_scale), (b, b_scale), d)
+    return d.to(out_dtype)
+
+
+def _deep_gemm_grouped_nt(a, a_scale, b, b_scale, offsets, out_dtype):
+    # DeepGEMM's contiguous layout names each row's group: the searchsorted of its index.
+    rows = torch.arange(a.shape[0], device=a.device, dtype=torch.int32)
+    group_of_row = torch.searchsorted(offsets, rows, right=True).to(torch.int32)
+    d = torch.empty(a.shape[0], b.shape[1], dtype=torch.bfloat16, device=a.device)
+    _deep_gemm().m_grouped_fp8_gemm_nt_contiguous((a, a_scale), (b, b_scale), d, group_of_row)
+    return d.to(out_dtype)
 
 
 # --- the ops ------------------------------------------------------------------------------------
