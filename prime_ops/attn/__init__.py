@@ -1,0 +1,11 @@
+"""The ``prime_rl_attn`` namespace: varlen attention per backend and ring attention.
+
+``varlen_attention(..., backend="sdpa"|"fa2"|"fa3"|"fa4")`` and
+``ring_attention(..., group=..., backend=...)`` are the entry points; importing this module
+registers every op (schema, fake, autograd) without importing any kernel library.
+"""
+
+from prime_ops.attn.ring import ring_attention
+from prime_ops.attn.varlen import BACKENDS, varlen_attention
+
+__all__ = ["BACKENDS", "ring_attention", "varlen_attention"]

@@ -1,0 +1,315 @@
+"""Ring (context-parallel) attention over a process group: ``prime_rl_attn::ring_attention``.
+
+Each of the ``W`` ranks holds the same-sized contiguous shard of the packed token dimension of
+q, k and v; ``cu_seqlens`` describes the whole packed batch, so sequences may cross shards.
+Key/value shards travel around the ring by point-to-point sends, overlapped with the attention
+of the shard in hand, and the partial results merge through their log-sum-exp.
+
+Causal masking across shards needs no special kernel: a key shard from an earlier rank lies
+wholly before the local queries (plain attention within each sequence), the rank's own shard is
+causal with queries and keys aligned, and later shards are skipped. The backward runs the same
+ring; each shard's key/value gradients travel with it and arrive at their owner after ``W``
+steps. Any backend of :mod:`prime_ops.attn.varlen` computes the steps.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from prime_ops.attn.seqlens import can_read, shard_cu_seqlens, spans
+from prime_ops.attn.varlen import check_arguments, get_backend
+
+__all__ = ["ring_attention"]
+
+_NO_WINDOW = (-1, -1)
+_KV_TAG, _GRAD_TAG = 0, 1
+
+
+def _exchange(send: Tensor, group, rank: int, world: int, tag: int) -> tuple[Tensor, list]:
+    """Send ``send`` to the next rank and receive the previous rank's buffer, as one batch (a
+    ring of unbatched NCCL sends deadlocks); returns the buffer and the requests to wait on
+    before reading it. The caller keeps ``send`` alive until then."""
+    recv = torch.empty_like(send)
+    ops = [
+        dist.P2POp(dist.isend, send, group=group, tag=tag, group_peer=(rank + 1) % world),
+        dist.P2POp(dist.irecv, recv, group=group, tag=tag, group_peer=(rank - 1) % world),
+    ]
+    return recv, dist.batch_isend_irecv(ops)
+
+
+def _wait(reqs: list) -> None:
+    for req in reqs:
+        req.wait()
+
+
+def _pack(*tensors: Tensor, dtype: torch.dtype) -> Tensor:
+    return torch.cat([t.reshape(-1).to(dtype) for t in tensors])
+
+
+def _unpack(flat: Tensor, like: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    k, v = like
+    return flat[: k.numel()].view(k.shape), flat[k.numel() :].view(v.shape)
+
+
+def _steps(rank: int, world: int, causal: bool):
+    """``(step, (source rank, step is causal))`` for the steps that compute; causal rings skip
+    the shards that lie after the local queries."""
+    for step in range(world):
+        src = (rank - step) % world
+        if not (causal and src > rank):
+            yield step, (src, causal and src == rank)
+
+
+def _forward(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, softcap, group_name, backend):
+    spec = get_backend(backend)
+    group = _resolve_process_group(group_name)
+    rank, world = group.rank(), group.size()
+    tokens = q.shape[0]
+    cu_q = shard_cu_seqlens(cu_seqlens, rank * tokens, tokens)
+    max_len = min(max_seqlen, tokens)
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float32, device=q.device)
+    lse = torch.full((q.shape[1], tokens), float("-inf"), dtype=torch.float32, device=q.device)
+    computing = dict(_steps(rank, world, causal))
+    kv = _pack(k, v, dtype=k.dtype)
+    for step in range(world):
+        current, reqs = kv, []
+        if step + 1 < world:  # the next shard travels while this one is used
+            kv, reqs = _exchange(current, group, rank, world, _KV_TAG)
+        if step in computing:
+            src, step_causal = computing[step]
+            k_s, v_s = _unpack(current, (k, v))
+            cu_k = shard_cu_seqlens(cu_seqlens, src * tokens, tokens)
+            part_out, part_lse = spec.forward(
+                q,
+                k_s,
+                v_s,
+                cu_q,
+                cu_k,
+                max_len,
+                max_len,
+                step_causal,
+                softmax_scale,
+                *_NO_WINDOW,
+                softcap,
+            )
+            merged = torch.logaddexp(lse, part_lse)
+            finite = merged.masked_fill(merged == float("-inf"), 0.0)
+            old_w = torch.exp(lse - finite).transpose(0, 1).unsqueeze(-1)
+            new_w = torch.exp(part_lse - finite).transpose(0, 1).unsqueeze(-1)
+            out = out * old_w + part_out.to(torch.float32) * new_w
+            lse = merged
+        _wait(reqs)
+    return out.to(q.dtype), lse
+
+
+def _backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    cu_seqlens,
+    max_seqlen,
+    causal,
+    softmax_scale,
+    softcap,
+    group_name,
+    backend,
+):
+    spec = get_backend(backend)
+    group = _resolve_process_group(group_name)
+    rank, world = group.rank(), group.size()
+    tokens = q.shape[0]
+    cu_q = shard_cu_seqlens(cu_seqlens, rank * tokens, tokens)
+    max_len = min(max_seqlen, tokens)
+    computing = dict(_steps(rank, world, causal))
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    kv = _pack(k, v, dtype=k.dtype)
+    dkv, dkv_reqs = torch.zeros(kv.numel(), dtype=torch.float32, device=q.device), []
+    for step in range(world):
+        current, kv_reqs = kv, []
+        if step + 1 < world:
+            kv, kv_reqs = _exchange(current, group, rank, world, _KV_TAG)
+        partial = None
+        if step in computing:
+            src, step_causal = computing[step]
+            k_s, v_s = _unpack(current, (k, v))
+            cu_k = shard_cu_seqlens(cu_seqlens, src * tokens, tokens)
+            dq_s, dk_s, dv_s = spec.backward(
+                dout,
+                q,
+                k_s,
+                v_s,
+                out,
+                lse,
+                cu_q,
+                cu_k,
+                max_len,
+                max_len,
+                step_causal,
+                softmax_scale,
+                *_NO_WINDOW,
+                softcap,
+            )
+            dq += dq_s
+            partial = _pack(dk_s, dv_s, dtype=torch.float32)
+        _wait(dkv_reqs)  # dkv now holds the accumulator of this step's shard
+        if partial is not None:
+            dkv += partial
+        if world > 1:  # pass it on; after the last step this hands each one to its owner
+            sent = dkv
+            dkv, dkv_reqs = _exchange(sent, group, rank, world, _GRAD_TAG)
+        _wait(kv_reqs)
+    _wait(dkv_reqs)
+    dk, dv = _unpack(dkv, (k, v))  # views of one buffer: copy, outputs may not alias
+    return dq.to(q.dtype), dk.to(k.dtype, copy=True), dv.to(v.dtype, copy=True)
+
+
+def _check(q, k, v, cu_seqlens, max_seqlen, softmax_scale, softcap, backend):
+    spec = get_backend(backend)
+    check_arguments(
+        spec,
+        q,
+        k,
+        v,
+        cu_seqlens,
+        cu_seqlens,
+        max_seqlen,
+        max_seqlen,
+        softmax_scale,
+        *_NO_WINDOW,
+        softcap,
+    )
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"ring attention needs q, k, v shards of the same length; got {q.shape[0]} query and "
+            f"{k.shape[0]} key tokens"
+        )
+
+
+@torch.library.custom_op("prime_rl_attn::ring_attention", mutates_args=())
+def _ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    causal: bool,
+    softmax_scale: float,
+    softcap: float,
+    group_name: str,
+    backend: str,
+) -> tuple[Tensor, Tensor]:
+    _check(q, k, v, cu_seqlens, max_seqlen, softmax_scale, softcap, backend)
+    return _forward(
+        q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, softcap, group_name, backend
+    )
+
+
+@_ring_attention.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, softcap, group_name, backend):
+    _check(q, k, v, cu_seqlens, max_seqlen, softmax_scale, softcap, backend)
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    return out, q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("prime_rl_attn::ring_attention_backward", mutates_args=())
+def _ring_attention_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    causal: bool,
+    softmax_scale: float,
+    softcap: float,
+    group_name: str,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return _backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        cu_seqlens,
+        max_seqlen,
+        causal,
+        softmax_scale,
+        softcap,
+        group_name,
+        backend,
+    )
+
+
+@_ring_attention_backward.register_fake
+def _(dout, q, k, v, *args):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens, *rest = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+    ctx.rest = rest
+    ctx.mark_non_differentiable(lse)
+
+
+def _ring_backward(ctx, dout, _dlse):
+    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv = _ring_attention_backward(
+        dout.contiguous(), q, k, v, out, lse, cu_seqlens, *ctx.rest
+    )
+    return (dq, dk, dv) + (None,) * 7
+
+
+_ring_attention.register_autograd(_ring_backward, setup_context=_setup_context)
+
+
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    *,
+    group: dist.ProcessGroup | None = None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+    backend: str = "sdpa",
+    check_cu_seqlens: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """Self-attention over a packed batch sharded by tokens across ``group``; ``(out, lse)`` for
+    the local queries, equal to full attention. Every rank must call it with same-sized shards
+    (shard ``r`` holds packed tokens ``[r * T, (r + 1) * T)``) and the same ``cu_seqlens``
+    (``cu_seqlens[-1] == T * group.size()``). Arguments otherwise as in
+    :func:`prime_ops.attn.varlen_attention`; sliding windows are not supported.
+    """
+    group = group if group is not None else dist.group.WORLD
+    get_backend(backend)
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
+    if check_cu_seqlens and can_read(cu_seqlens):
+        _check(q, k, v, cu_seqlens, max_seqlen, softmax_scale, softcap, backend)
+        spans(cu_seqlens, q.shape[0] * group.size(), max_seqlen, "cu_seqlens")
+    return _ring_attention(
+        q,
+        k,
+        v,
+        cu_seqlens,
+        max_seqlen,
+        causal,
+        float(softmax_scale),
+        float(softcap),
+        group.group_name,
+        backend,
+    )

@@ -1,0 +1,354 @@
+"""Varlen attention as one opaque operator per backend: ``prime_rl_attn::{backend}_varlen``.
+
+Every backend shares one schema, one fake and one autograd formula, so torch.compile traces,
+autograd differentiates and checkpoint policies match the same operator whatever kernel runs:
+
+    {backend}_varlen(q [T, H, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv], cu_seqlens_q, cu_seqlens_k,
+                     max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                     window_size_left, window_size_right, softcap) -> (out [T, H, Dv], lse [H, T])
+    {backend}_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, ...) -> (dq, dk, dv)
+
+``lse`` is fp32, natural log, ``-inf`` for rows that see no key. It is returned for merging
+partial results (ring attention) and carries no gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from prime_ops.attn import flash, sdpa
+from prime_ops.attn.seqlens import can_read, spans
+
+__all__ = ["BACKENDS", "OPS", "Backend", "check_arguments", "get_backend", "varlen_attention"]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _head_dims_up_to_256(head_dim: int, head_dim_v: int) -> None:
+    for name, dim in (("head dim of q/k", head_dim), ("head dim of v", head_dim_v)):
+        if dim % 8 or not 8 <= dim <= 256:
+            raise ValueError(f"{name} must be a multiple of 8 in [8, 256]; got {dim}")
+
+
+def _fa2_limits(head_dim: int, head_dim_v: int) -> None:
+    _head_dims_up_to_256(head_dim, head_dim_v)
+    if head_dim != head_dim_v:
+        raise ValueError(
+            f"backend 'fa2' needs v's head dim equal to q's; got {head_dim_v} and {head_dim}. "
+            "Use 'fa3' or 'fa4' for a different value head dim."
+        )
+
+
+def _no_limits(head_dim: int, head_dim_v: int) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A kernel pair behind the contract, and what it accepts (checked before any launch)."""
+
+    name: str
+    device_types: tuple[str, ...] | None  # None: any device
+    dtypes: tuple[torch.dtype, ...]
+    limits: Callable[[int, int], None]  # (head_dim, head_dim_v) -> raise ValueError
+    forward: Callable[..., tuple[Tensor, Tensor]]
+    backward: Callable[..., tuple[Tensor, Tensor, Tensor]]
+
+
+BACKENDS: dict[str, Backend] = {
+    b.name: b
+    for b in (
+        Backend(
+            "sdpa",
+            None,
+            (*_HALF, torch.float32, torch.float64),
+            _no_limits,
+            sdpa.forward,
+            sdpa.backward,
+        ),
+        Backend("fa2", ("cuda",), _HALF, _fa2_limits, flash.fa2_forward, flash.fa2_backward),
+        Backend(
+            "fa3", ("cuda",), _HALF, _head_dims_up_to_256, flash.fa3_forward, flash.fa3_backward
+        ),
+        Backend(
+            "fa4", ("cuda",), _HALF, _head_dims_up_to_256, flash.fa4_forward, flash.fa4_backward
+        ),
+    )
+}
+
+
+def get_backend(name: str) -> Backend:
+    try:
+        return BACKENDS[name]
+    except KeyError:
+        raise ValueError(
+            f"backend={name!r} is not an attention backend; choose one of {sorted(BACKENDS)}"
+        ) from None
+
+
+def check_arguments(
+    backend: Backend,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+) -> None:
+    """Raise ValueError for anything the kernel would reject or silently get wrong (metadata only).
+
+    Runs in the kernels and the fakes alike, so a bad call fails while tracing, before a launch.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3:
+            raise ValueError(
+                f"{name} must be [tokens, heads, head_dim]; got shape {tuple(t.shape)}"
+            )
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous; call {name}.contiguous() first")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k and v must agree in tokens and heads; got {k.shape} and {v.shape}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"q and k must have the same head dim; got {q.shape[2]} and {k.shape[2]}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"q's heads ({q.shape[1]}) must be a multiple of k/v's heads ({k.shape[1]}) (GQA)"
+        )
+    devices = {t.device for t in (q, k, v, cu_seqlens_q, cu_seqlens_k)}
+    if len(devices) != 1:
+        raise ValueError(
+            f"q, k, v and cu_seqlens must be on one device; got {sorted(map(str, devices))}"
+        )
+    device = q.device.type
+    if backend.device_types is not None and device not in (*backend.device_types, "meta"):
+        raise ValueError(
+            f"backend {backend.name!r} runs on {'/'.join(backend.device_types)} tensors; got "
+            f"{device}. Use backend='sdpa' on other devices."
+        )
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in backend.dtypes:
+        raise ValueError(
+            f"backend {backend.name!r} takes {[str(d) for d in backend.dtypes]}; got {q.dtype}"
+        )
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
+            raise ValueError(
+                f"{name} must be a 1-D int32 tensor of batch + 1 offsets; got {cu.dtype} "
+                f"of shape {tuple(cu.shape)}"
+            )
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences; got "
+            f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()} offsets"
+        )
+    if max_seqlen_q < 0 or max_seqlen_k < 0:
+        raise ValueError(f"max_seqlen_q/k must be >= 0; got {max_seqlen_q}, {max_seqlen_k}")
+    if window_size_left < -1 or window_size_right < -1:
+        raise ValueError(
+            f"window_size entries must be >= -1 (-1: unbounded); got "
+            f"({window_size_left}, {window_size_right})"
+        )
+    if not softcap >= 0.0:
+        raise ValueError(f"softcap must be >= 0 (0: off); got {softcap}")
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be finite; got {softmax_scale}")
+    backend.limits(q.shape[2], v.shape[2])
+
+
+def _define(backend: Backend):
+    """Register ``{name}_varlen`` and ``{name}_varlen_backward`` with fakes and autograd.
+
+    Kernels look their backend up in :data:`BACKENDS` when called, so the registry stays the one
+    place that says what runs (tests swap in counting kernels there)."""
+    name = f"prime_rl_attn::{backend.name}_varlen"
+
+    @torch.library.custom_op(name, mutates_args=(), device_types=backend.device_types)
+    def forward_op(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        cu_seqlens_q: Tensor,
+        cu_seqlens_k: Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        causal: bool,
+        softmax_scale: float,
+        window_size_left: int,
+        window_size_right: int,
+        softcap: float,
+    ) -> tuple[Tensor, Tensor]:
+        args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        window = (softmax_scale, window_size_left, window_size_right, softcap)
+        spec = BACKENDS[backend.name]
+        check_arguments(spec, q, k, v, *args, *window)
+        return spec.forward(q, k, v, *args, causal, *window)
+
+    @forward_op.register_fake
+    def _(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        causal,
+        softmax_scale,
+        window_size_left,
+        window_size_right,
+        softcap,
+    ):
+        check_arguments(
+            backend,
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            softmax_scale,
+            window_size_left,
+            window_size_right,
+            softcap,
+        )
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+        lse = q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
+        return out, lse
+
+    @torch.library.custom_op(f"{name}_backward", mutates_args=(), device_types=backend.device_types)
+    def backward_op(
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        cu_seqlens_q: Tensor,
+        cu_seqlens_k: Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        causal: bool,
+        softmax_scale: float,
+        window_size_left: int,
+        window_size_right: int,
+        softcap: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        return BACKENDS[backend.name].backward(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            causal,
+            softmax_scale,
+            window_size_left,
+            window_size_right,
+            softcap,
+        )
+
+    @backward_op.register_fake
+    def _(dout, q, k, v, *args):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, cu_seqlens_q, cu_seqlens_k, *rest = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.rest = rest
+        ctx.mark_non_differentiable(lse)
+
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        dq, dk, dv = backward_op(
+            dout.contiguous(), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.rest
+        )
+        return (dq, dk, dv) + (None,) * 9
+
+    forward_op.register_autograd(backward, setup_context=setup_context)
+    return forward_op, backward_op
+
+
+OPS = {name: _define(backend) for name, backend in BACKENDS.items()}
+
+
+def varlen_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    backend: str = "sdpa",
+    check_cu_seqlens: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """Attention over packed variable-length sequences; returns ``(out, lse)``.
+
+    q ``[T, H, D]``, k/v ``[Tk, Hkv, D|Dv]`` (``H`` a multiple of ``Hkv``), int32 ``cu_seqlens``
+    of batch + 1 offsets. Queries align to the end of their keys (FlashAttention convention);
+    ``window_size=(left, right)`` limits keys to ``[i - left, i + right]``, -1 unbounded;
+    ``causal`` caps ``right`` at 0. ``softmax_scale`` defaults to ``D ** -0.5``; ``softcap > 0``
+    applies ``softcap * tanh(s / softcap)`` to scores. ``lse`` is fp32 ``[H, T]``, ``-inf`` where
+    a row sees no key, and carries no gradient.
+
+    ``check_cu_seqlens`` reads the offsets on the host (one sync) to validate them in eager mode;
+    it is skipped while compiling.
+    """
+    spec = get_backend(backend)
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
+    left, right = window_size
+    if check_cu_seqlens and can_read(cu_seqlens_q):
+        check_arguments(
+            spec,
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            softmax_scale,
+            left,
+            right,
+            softcap,
+        )
+        spans(cu_seqlens_q, q.shape[0], max_seqlen_q, "cu_seqlens_q")
+        spans(cu_seqlens_k, k.shape[0], max_seqlen_k, "cu_seqlens_k")
+    forward_op, _ = OPS[spec.name]
+    return forward_op(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        causal,
+        float(softmax_scale),
+        left,
+        right,
+        float(softcap),
+    )

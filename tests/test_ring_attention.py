@@ -1,0 +1,100 @@
+"""prime_rl_attn::ring_attention on gloo ranks against single-process varlen attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import prime_ops  # noqa: F401  (registers the ops)
+from prime_ops.attn import ring_attention, varlen_attention
+from tests.dist_utils import run_distributed
+
+# (sequence lengths of the packed batch, q heads, kv heads, dtype, softcap); every total is a
+# multiple of 4 so the same batches shard over 2 and 4 ranks. Sequences cross shard borders.
+BATCHES = [
+    ([5, 11, 3, 13], 4, 2, torch.float32, 0.0),  # uneven, GQA
+    ([32], 2, 2, torch.float32, 0.0),  # one sequence spanning every shard
+    ([1, 1, 14, 2, 6], 2, 1, torch.float32, 3.0),  # short ones, softcap, MQA
+    ([7, 9, 8], 4, 4, torch.bfloat16, 0.0),
+]
+
+
+def _batch(lengths, h, hkv, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    q, k, v = (torch.randn(total, n, 8, generator=gen).to(dtype) for n in (h, hkv, hkv))
+    dout = torch.randn(total, h, 8, generator=gen).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k, v, dout, cu
+
+
+def _check_ring(rank, world):
+    _check_errors(rank, world)
+    for index, (lengths, h, hkv, dtype, softcap) in enumerate(BATCHES):
+        for causal in (True, False):
+            q, k, v, dout, cu = _batch(lengths, h, hkv, dtype, seed=index)
+            shard = slice(rank * q.shape[0] // world, (rank + 1) * q.shape[0] // world)
+            full = [t.clone().requires_grad_() for t in (q, k, v)]
+            ref_out, ref_lse = varlen_attention(
+                *full, cu, cu, max(lengths), max(lengths), causal=causal, softcap=softcap
+            )
+            (ref_out * dout).sum().backward()
+
+            local = [t[shard].clone().requires_grad_() for t in (q, k, v)]
+            out, lse = ring_attention(*local, cu, max(lengths), causal=causal, softcap=softcap)
+            (out * dout[shard]).sum().backward()
+
+            tol = (
+                dict(atol=2e-2, rtol=2e-2)
+                if dtype == torch.bfloat16
+                else dict(atol=1e-5, rtol=1e-5)
+            )
+            where = f"batch {index}, causal={causal}, rank {rank}/{world}"
+            torch.testing.assert_close(out, ref_out[shard].detach(), **tol, msg=where)
+            torch.testing.assert_close(lse, ref_lse[:, shard], **tol, msg=where)
+            for name, ours, ref in zip("qkv", local, full, strict=True):
+                torch.testing.assert_close(
+                    ours.grad, ref.grad[shard], **tol, msg=f"d{name}, {where}"
+                )
+
+
+def _check_errors(rank, world):
+    q = torch.randn(8, 2, 8)
+    total = 8 * world
+    cu = torch.tensor([0, total], dtype=torch.int32)
+    with pytest.raises(ValueError, match="same length"):
+        ring_attention(q, q[:4], q[:4], cu, total)
+    with pytest.raises(ValueError, match=f"end at the packed length {total}"):
+        ring_attention(q, q, q, torch.tensor([0, total - 1], dtype=torch.int32), total)
+    with pytest.raises(ValueError, match="not an attention backend"):
+        ring_attention(q, q, q, cu, total, backend="flash")
+    pair = dist.new_group([0, 1])  # a subgroup: ranks are resolved through its group_name
+    if rank < 2:
+        pair_cu = torch.tensor([0, 16], dtype=torch.int32)
+        out, _ = ring_attention(q, q, q, pair_cu, 16, group=pair)
+        assert out.shape == q.shape
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_matches_full_attention(world):
+    """Outputs, lse and q/k/v gradients of every shard; invalid calls raise before any send."""
+    run_distributed(_check_ring, world)
+
+
+def test_ring_fake_gives_local_shapes_without_a_group():
+    with FakeTensorMode():
+        q = torch.empty(64, 8, 128, dtype=torch.bfloat16, device="cuda")
+        kv = torch.empty(64, 2, 128, dtype=torch.bfloat16, device="cuda")
+        cu = torch.empty(9, dtype=torch.int32, device="cuda")
+        out, lse = torch.ops.prime_rl_attn.ring_attention(
+            q, kv, kv, cu, 100, True, 0.1, 0.0, "no-such-group", "fa3"
+        )
+        assert (out.shape, out.dtype, out.device.type) == ((64, 8, 128), torch.bfloat16, "cuda")
+        assert (lse.shape, lse.dtype) == ((8, 64), torch.float32)
+        dq, dk, dv = torch.ops.prime_rl_attn.ring_attention_backward(
+            out, q, kv, kv, out, lse, cu, 100, True, 0.1, 0.0, "no-such-group", "fa3"
+        )
+        assert (dq.shape, dk.shape, dv.shape) == (q.shape, kv.shape, kv.shape)
