@@ -5,6 +5,7 @@ checkpoint region and decides per operator, by name or namespace, what to keep a
 replay. prime_ac imports torch only: it knows operators by name, never by import.
 """
 
+from prime_ac.audit import AuditReport, audit
 from prime_ac.blocks import checkpoint_blocks, find_blocks, unwrap_blocks
 from prime_ac.config import ACConfig
 from prime_ac.policy import MODES, OperatorPolicy, ReplayMismatchError, context_fn, make_policy
@@ -16,9 +17,11 @@ __all__ = [
     "MANDATORY_TARGETS",
     "MODES",
     "ACConfig",
+    "AuditReport",
     "OperatorPolicy",
     "ReplayMismatchError",
     "Target",
+    "audit",
     "checkpoint_blocks",
     "context_fn",
     "find_blocks",

@@ -17,6 +17,7 @@ from typing import Any
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from prime_ac.budget import BlockPlan, apply_budget
 from prime_ac.config import ACConfig
 from prime_ac.policy import OperatorPolicy, context_fn, make_policy
 from prime_ac.targets import TargetSet
@@ -37,6 +38,7 @@ class _BlockCheckpoint:
     context_fn: Callable[[], Any]
     preserve_rng_state: bool
     original_class: type
+    plan: BlockPlan | None = None  # set by targets="auto"
 
 
 class _CheckpointedBlock(nn.Module):
@@ -177,12 +179,14 @@ def checkpoint_blocks(
     *,
     mode: str = "full",
     freq: int = 1,
-    targets: Iterable[str] | None = None,
+    targets: Iterable[str] | str | None = None,
     blocks: BlockSelector = None,
     mandatory: Iterable[str] = (),
     preserve_rng_state: bool = True,
     strict: bool = False,
     config: ACConfig | None = None,
+    budget: int | float | None = None,
+    profile: Callable[[nn.Module], Any] | None = None,
 ) -> list[str]:
     """Wrap each selected block of ``model`` in its own non-reentrant checkpoint region.
 
@@ -192,15 +196,26 @@ def checkpoint_blocks(
     supplies mode, freq and targets. Targets that no dispatch mode can see are logged once, or
     raise ValueError with ``strict=True``.
 
+    ``targets="auto"`` keeps, per block, the operator calls that save the most replayed FLOPs
+    within ``budget`` (bytes per block, or a float fraction of the no-AC activation memory),
+    measured on one step ``profile(model)`` that returns a loss (see :mod:`prime_ac.budget`).
+
     Example::
 
         import prime_ac
         wrapped = prime_ac.checkpoint_blocks(model, mode="selective", targets=["aten::mm"])
     """
-    if config is not None:
-        mode, freq, targets = config.mode, config.freq, config.targets
-    else:
-        ACConfig(mode=mode, freq=freq, targets=targets)  # validates, same errors as the config
+    if config is None:  # validates, with the same errors as a config file gets
+        config = ACConfig(mode=mode, freq=freq, targets=targets, budget=budget)
+    mode, freq, targets = config.mode, config.freq, config.targets
+    auto = targets == "auto"
+    if auto and profile is None:
+        raise ValueError(
+            'targets="auto" needs profile=: a function that runs one forward of the model and '
+            "returns the loss, e.g. profile=lambda model: model.loss(batch)"
+        )
+    if auto:
+        mode, targets = "full", None  # profile with nothing but the mandatory set kept
     policy = make_policy(mode, targets, mandatory)
     named = TargetSet(targets or () if mode == "selective" else ())
     _report(named.problems() + TargetSet(mandatory).problems(mandatory=True), strict)
@@ -223,6 +238,8 @@ def checkpoint_blocks(
     for module in model.modules():
         if _is_wrapped(module) and id(module) not in selected:
             _unwrap(module)
+    if auto:
+        apply_budget(model, profile, config.budget)
     return list(selected.values())
 
 

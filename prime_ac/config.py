@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from prime_ac.budget import per_block_budget
 from prime_ac.targets import Target
 
 __all__ = ["ACConfig"]
@@ -18,7 +19,9 @@ class ACConfig:
     """Activation-checkpointing settings as a trainer's config file states them.
 
     ``mode`` is ``"full"`` (keep only the mandatory operators) or ``"selective"`` (also keep
-    ``targets``); ``freq=k`` checkpoints every k-th block; ``targets=None`` means the defaults.
+    ``targets``); ``freq=k`` checkpoints every k-th block; ``targets=None`` means the defaults;
+    ``targets="auto"`` with ``budget`` (bytes per block, or a fraction of the no-AC activation
+    memory) lets prime_ac choose from a profiled step.
 
     Example (TOML)::
 
@@ -30,7 +33,8 @@ class ACConfig:
 
     mode: str = "full"
     freq: int = 1
-    targets: tuple[str, ...] | None = None
+    targets: tuple[str, ...] | str | None = None
+    budget: int | float | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in _MODES:
@@ -41,7 +45,20 @@ class ACConfig:
             raise ValueError(
                 f"freq={self.freq!r} must be an integer >= 1 (1 checkpoints every block)"
             )
-        if self.targets is not None:
+        if self.targets == "auto":
+            if self.mode != "selective":
+                raise ValueError(
+                    'targets="auto" chooses what selective mode keeps: set mode="selective"'
+                )
+            if self.budget is None:
+                raise ValueError(
+                    'targets="auto" needs budget=: bytes per block (int) or a fraction of the '
+                    "no-AC activation memory (float in [0, 1])"
+                )
+            per_block_budget(self.budget, 0, 1)  # validates the value
+        elif self.budget is not None:
+            raise ValueError(f'budget={self.budget!r} applies only with targets="auto"')
+        elif self.targets is not None:
             if isinstance(self.targets, str) or not isinstance(self.targets, (list, tuple)):
                 raise ValueError(
                     f"targets={self.targets!r} must be a list of operator names or namespaces, "

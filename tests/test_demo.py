@@ -40,7 +40,8 @@ def test_compare_modes_small_model_counts_replayed_forward_flops():
     # Full mode replays the block's linears on 8 tokens in 2 blocks: wq, wo (64x64), wk, wv
     # (64x32), w1, w3 (64x128); w2 is not replayed because non-reentrant checkpoint stops the
     # recompute once every tensor the backward needs exists, and nothing needs w2's output.
-    # CPU flash attention is not counted by the FLOP counter.
+    # Attention (4 heads of 16 on 8 tokens) is replayed too: QK^T and PV, 2 FLOPs per MAC.
     replayed_macs = 64 * 64 * 2 + 64 * 32 * 2 + 64 * 128 * 2
-    assert rows["full"].recomputed_flops == 2 * 8 * 2 * replayed_macs
+    attention_flops = 2 * (2 * 4 * 8 * 8 * 16)
+    assert rows["full"].recomputed_flops == 2 * (2 * 8 * replayed_macs + attention_flops)
     assert rows["selective"].recomputed_flops == 0

@@ -1,0 +1,316 @@
+"""``prime_ac.audit``: what the policy in effect keeps, what it replays, and what that costs.
+
+The audit runs one training step through the wrapped blocks with recording versions of
+prime_ac's own checkpoint modes, so every number comes from the policy really in effect: the
+decision is read from the checkpoint cache itself (kept or marked for replay), kept bytes are the
+cached outputs, and replays are the operators the recompute actually re-executes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import _RECOMPUTE, SAC_IGNORED_OPS, _sac_storage_key
+
+from prime_ac.blocks import _BlockCheckpoint, _is_wrapped, _unwrap, _wrap
+from prime_ac.measure import OpCounter, StorageTracker, operator_flops
+from prime_ac.policy import (
+    _REPLAY_IGNORED_OPS,
+    HOST_SYNC,
+    MANDATORY,
+    _CachingMode,
+    _ReplayMode,
+)
+from prime_ac.targets import TargetSet, operator_key
+
+__all__ = ["AuditReport", "CallRecord", "OpRecord", "audit", "op_name"]
+
+LossFn = Callable[[nn.Module], torch.Tensor]
+
+
+def op_name(op: Any) -> str:
+    """The target string naming exactly this overload (``aten::mm.default``)."""
+    ns, name, overload = operator_key(op)
+    return f"{ns}::{name}" + (f".{overload}" if overload else "")
+
+
+def _bytes(out: Any) -> int:
+    return sum(
+        t.untyped_storage().nbytes()
+        for t in tree_leaves(out)
+        if isinstance(t, torch.Tensor) and t.device.type != "meta"
+    )
+
+
+@dataclass
+class CallRecord:
+    """One operator call in one block's forward: the unit the budget planner chooses over."""
+
+    op: Any
+    index: int  # how many calls of this overload came before it in the block's forward
+    decision: str  # "kept", "replayed" or "mandatory"
+    bytes: int  # of its outputs
+    flops: int
+    replayed: bool = False  # re-executed by the recompute (it stops once backward has its inputs)
+
+
+@dataclass
+class OpRecord:
+    block: str
+    op: str
+    decision: str
+    calls: int = 0
+    kept_bytes: int = 0
+    replays: int = 0
+    replayed_flops: int = 0
+
+
+@dataclass
+class AuditReport:
+    """One step's account of a checkpoint policy. ``str()`` is a table; ``to_json()`` JSON."""
+
+    mode: str
+    targets: list[str]
+    blocks: list[str]
+    ops: list[OpRecord]
+    unmatched_targets: list[str]
+    held_bytes: int  # alive between forward and backward, whole model
+    held_bytes_no_ac: int
+    forward_flops: int
+    replayed_flops: int
+    replayed_ops: int
+    calls: dict[str, list[CallRecord]] = field(default_factory=dict, repr=False)
+
+    def block_kept_bytes(self) -> dict[str, int]:
+        kept: dict[str, int] = defaultdict(int)
+        for record in self.ops:
+            kept[record.block] += record.kept_bytes
+        return {block: kept[block] for block in self.blocks}
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "calls"
+        }
+        data["ops"] = [dataclasses.asdict(r) for r in self.ops]
+        return data
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    def __str__(self) -> str:
+        per_op: dict[tuple[str, str], OpRecord] = {}
+        for r in self.ops:
+            total = per_op.setdefault((r.op, r.decision), OpRecord("*", r.op, r.decision))
+            total.calls += r.calls
+            total.kept_bytes += r.kept_bytes
+            total.replays += r.replays
+            total.replayed_flops += r.replayed_flops
+        rows = sorted(per_op.values(), key=lambda r: (-r.kept_bytes, -r.replayed_flops, r.op))
+        header = f"{'operator':<58} {'decision':<10} {'calls':>6} {'kept':>11} {'replays':>8} {'replayed FLOPs':>15}"
+        lines = [
+            f"prime_ac audit: mode={self.mode}, {len(self.blocks)} checkpointed blocks "
+            f"({', '.join(self.blocks)})",
+            header,
+            "-" * len(header),
+        ]
+        for r in rows:
+            lines.append(
+                f"{r.op:<58} {r.decision:<10} {r.calls:>6} {_mib(r.kept_bytes):>11} "
+                f"{r.replays:>8} {r.replayed_flops / 1e6:>10.2f} MFLOP"
+            )
+        lines += [
+            "",
+            f"held for backward: {_mib(self.held_bytes)} of {_mib(self.held_bytes_no_ac)} without "
+            f"AC ({self.held_bytes / max(self.held_bytes_no_ac, 1):.1%})",
+            f"replayed: {self.replayed_ops} operator calls, {self.replayed_flops / 1e6:.2f} MFLOP "
+            f"({self.replayed_flops / max(self.forward_flops, 1):.1%} of one forward)",
+            "targets that matched nothing: " + (", ".join(self.unmatched_targets) or "none"),
+        ]
+        return "\n".join(lines)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.3f} MiB"
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.ops: dict[tuple[str, Any], OpRecord] = {}
+        self.calls: dict[str, list[CallRecord]] = defaultdict(list)
+        self.by_position: dict[tuple[str, Any, int], CallRecord] = {}
+        self.seen: set[Any] = set()
+
+    def record(self, block: str, op: Any, decision: str) -> OpRecord:
+        key = (block, op)
+        if key not in self.ops:
+            self.ops[key] = OpRecord(block, op_name(op), decision)
+        return self.ops[key]
+
+
+class _AuditCachingMode(_CachingMode):
+    def __init__(self, policy, storage, recorder: _Recorder, state: _BlockCheckpoint):
+        super().__init__(policy, storage)
+        self.recorder, self.state = recorder, state
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if func in SAC_IGNORED_OPS or func in _REPLAY_IGNORED_OPS:
+            return out
+        key = _sac_storage_key(func, args)
+        index = self.func_counter[key] - 1
+        kept = self.storage[key][index] is not _RECOMPUTE
+        verdict = self.state.policy.classify(func)
+        decision = (
+            (MANDATORY if verdict in (MANDATORY, HOST_SYNC) else "kept") if kept else "replayed"
+        )
+        size, flops = _bytes(out), operator_flops(func, args, kwargs, out)
+        self.recorder.seen.add(func)
+        record = self.recorder.record(self.state.name, func, decision)
+        record.calls += 1
+        record.kept_bytes += size if kept else 0
+        call = CallRecord(func, index, decision, size, flops)
+        self.recorder.calls[self.state.name].append(call)
+        self.recorder.by_position[(self.state.name, func, index)] = call
+        return out
+
+
+class _AuditReplayMode(_ReplayMode):
+    def __init__(self, storage, recorder: _Recorder, state: _BlockCheckpoint):
+        super().__init__(storage, f"block {state.name!r}")
+        self.recorder, self.state = recorder, state
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        key = _sac_storage_key(func, args)
+        index = self.func_counter[key]
+        replays = self.storage.get(key, {}).get(index) is _RECOMPUTE
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if replays and func not in SAC_IGNORED_OPS and func not in _REPLAY_IGNORED_OPS:
+            self.recorder.by_position[(self.state.name, func, index)].replayed = True
+            record = self.recorder.record(self.state.name, func, "replayed")
+            record.replays += 1
+            record.replayed_flops += operator_flops(func, args, kwargs, out)
+        return out
+
+
+def _wrapped_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    blocks = [(name, m) for name, m in model.named_modules() if _is_wrapped(m)]
+    if not blocks:
+        raise ValueError(
+            "audit found no checkpointed block: call prime_ac.checkpoint_blocks(model, ...) first"
+        )
+    return blocks
+
+
+@contextmanager
+def _unwrapped(blocks: list[tuple[str, nn.Module]]) -> Iterator[None]:
+    states = [(block, block._prime_ac) for _, block in blocks]
+    for _, block in blocks:
+        _unwrap(block)
+    try:
+        yield
+    finally:
+        for block, state in states:
+            _wrap(block, state)
+
+
+@contextmanager
+def _recording(blocks: list[tuple[str, nn.Module]], recorder: _Recorder) -> Iterator[None]:
+    states = [(block, block._prime_ac) for _, block in blocks]
+    for block, state in states:
+        block._prime_ac = dataclasses.replace(
+            state, context_fn=_recording_contexts(state, recorder)
+        )
+    try:
+        yield
+    finally:
+        for block, state in states:
+            block._prime_ac = state
+
+
+def _recording_contexts(state: _BlockCheckpoint, recorder: _Recorder):
+    inner = state.context_fn
+
+    def contexts():
+        caching, _ = inner()  # the policy in effect, exactly as the block would use it
+        storage: dict[Any, dict[int, Any]] = defaultdict(dict)
+        return (
+            _AuditCachingMode(caching.policy_fn, storage, recorder, state),
+            _AuditReplayMode(storage, recorder, state),
+        )
+
+    return contexts
+
+
+def _held_and_flops(model: nn.Module, loss_fn: LossFn) -> tuple[int, int]:
+    tracker = StorageTracker()
+    tracker.exclude([*model.parameters(), *model.buffers()])
+    counter = OpCounter()
+    with tracker, counter:
+        loss = loss_fn(model)
+    tracker._storages.pop(loss.untyped_storage().data_ptr(), None)
+    held = tracker.held_bytes()
+    loss.backward()
+    return held, counter.flops
+
+
+@contextmanager
+def _grads_preserved(model: nn.Module) -> Iterator[None]:
+    # backward accumulates into an existing .grad in place, so the audit starts from None
+    saved = {p: p.grad for p in model.parameters()}
+    model.zero_grad(set_to_none=True)
+    try:
+        yield
+    finally:
+        for p, g in saved.items():
+            p.grad = g
+
+
+def audit(model: nn.Module, loss_fn: LossFn) -> AuditReport:
+    """Run one training step (``loss_fn(model).backward()``) and report the policy in effect.
+
+    The model must already be wrapped by :func:`prime_ac.checkpoint_blocks`. The step runs twice
+    (once with the blocks unwrapped, for the no-AC baseline); parameter gradients are restored
+    afterwards, other side effects of the step (optimizer-free buffers, counters) are not.
+
+    Example::
+
+        prime_ac.checkpoint_blocks(model, mode="selective")
+        report = prime_ac.audit(model, lambda m: m.loss(batch))
+        print(report)                 # a table; report.to_json() for tools
+    """
+    blocks = _wrapped_blocks(model)
+    with _grads_preserved(model):
+        with _unwrapped(blocks):
+            held_none, forward_flops = _held_and_flops(model, loss_fn)
+        recorder = _Recorder()
+        with _recording(blocks, recorder):
+            held, _ = _held_and_flops(model, loss_fn)
+    state = blocks[0][1]._prime_ac
+    policy = state.policy
+    mode = "auto" if state.plan is not None else policy.mode
+    targets = list(policy.targets) if mode == "selective" else []
+    seen_keys = [operator_key(op) for op in recorder.seen]
+    unmatched = [t for t in targets if not any(TargetSet([t]).matches(k) for k in seen_keys)]
+    ops = list(recorder.ops.values())
+    return AuditReport(
+        mode=mode,
+        targets=targets,
+        blocks=[name for name, _ in blocks],
+        ops=ops,
+        unmatched_targets=unmatched,
+        held_bytes=held,
+        held_bytes_no_ac=held_none,
+        forward_flops=forward_flops,
+        replayed_flops=sum(r.replayed_flops for r in ops),
+        replayed_ops=sum(r.replays for r in ops),
+        calls=dict(recorder.calls),
+    )

@@ -1,0 +1,152 @@
+"""``targets="auto"``: keep what saves the most replay under a memory budget.
+
+From one profiled step in full mode, every operator call that the recompute re-executed is an
+item: keeping it costs the bytes of its outputs (held from forward to backward) and saves its
+FLOPs (not replayed in backward). Calls the recompute never reaches (it stops once backward has
+what it needs) save nothing and are never chosen. Per block, prime_ac solves this 0/1 knapsack exactly over the
+Pareto frontier of (bytes, FLOPs) and keeps the chosen calls, identified as the same operator
+overload at the same position in the block's forward (the way checkpoint replay itself is
+keyed). Mandatory operators are kept regardless and their bytes are charged first.
+
+Because the solution is exact, a larger budget never replays more (estimated) FLOPs, and any
+rule that keeps calls within the same bytes - such as "every other matmul" - is a feasible
+point the knapsack can only match or beat.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from prime_ac.policy import OperatorPolicy, _CachingMode, _ReplayMode
+
+__all__ = [
+    "BlockPlan",
+    "apply_budget",
+    "budget_context_fn",
+    "choose_calls",
+    "per_block_budget",
+    "plan_block",
+]
+
+_SAVE = torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """What the budget policy keeps in one block, with the profile's estimates."""
+
+    block: str
+    budget_bytes: int
+    kept: tuple[tuple[str, int], ...]  # (operator overload, call index in the block's forward)
+    kept_bytes: int  # chosen calls plus mandatory operators
+    replayed_flops: int  # of the calls left to replay
+
+
+def choose_calls(items: Sequence[tuple[int, int]], capacity: int) -> list[int]:
+    """Indices of ``(bytes, flops)`` items maximising total FLOPs with total bytes <= capacity.
+
+    Exact: dynamic programming over the Pareto frontier of (bytes used, FLOPs saved); among
+    equally good choices the one using the fewest bytes wins.
+    """
+    frontier: dict[int, tuple[int, tuple[int, ...]]] = {0: (0, ())}
+    for i, (size, flops) in enumerate(items):
+        if flops <= 0 or size > capacity:
+            continue
+        grown = dict(frontier)
+        for used, (saved, chosen) in frontier.items():
+            total = used + size
+            if total <= capacity and saved + flops > grown.get(total, (-1,))[0]:
+                grown[total] = (saved + flops, (*chosen, i))
+        frontier, best = {}, -1
+        for used in sorted(grown):  # drop points that use more bytes for no more FLOPs
+            if grown[used][0] > best:
+                frontier[used], best = grown[used], grown[used][0]
+    return list(frontier[max(frontier)][1])
+
+
+def per_block_budget(budget: float, held_bytes_no_ac: int, n_blocks: int) -> int:
+    """Bytes per block: ``budget`` itself if an int, else that fraction of an even share of the
+    no-AC activation memory."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget < 0:
+        raise ValueError(
+            f"budget={budget!r} must be bytes per block (int >= 0) or a fraction of the no-AC "
+            "activation memory (float in [0, 1])"
+        )
+    if isinstance(budget, float):
+        if budget > 1:
+            raise ValueError(f"budget={budget!r}: a fraction must lie in [0, 1]; bytes are an int")
+        return int(budget * held_bytes_no_ac / n_blocks)
+    return budget
+
+
+def plan_block(block: str, calls: list[Any], capacity: int) -> BlockPlan:
+    """Knapsack over one block's profiled calls (``prime_ac.audit.CallRecord``)."""
+    mandatory = sum(c.bytes for c in calls if c.decision == "mandatory")
+    candidates = [
+        c
+        for c in calls
+        if c.replayed
+        and c.flops > 0
+        and not (isinstance(c.op, torch._ops.OpOverload) and c.op._schema.is_mutable)
+    ]
+    chosen = choose_calls([(c.bytes, c.flops) for c in candidates], max(capacity - mandatory, 0))
+    kept = [candidates[i] for i in chosen]
+    return BlockPlan(
+        block=block,
+        budget_bytes=capacity,
+        kept=tuple((c.op, c.index) for c in kept),
+        kept_bytes=mandatory + sum(c.bytes for c in kept),
+        replayed_flops=sum(c.flops for c in candidates) - sum(c.flops for c in kept),
+    )
+
+
+def budget_context_fn(
+    policy: OperatorPolicy, kept: frozenset[tuple[Any, int]], name: str
+) -> Callable[[], tuple[Any, Any]]:
+    """Checkpoint contexts keeping the planned calls on top of ``policy`` (full mode)."""
+
+    def contexts() -> tuple[Any, Any]:
+        calls: dict[Any, int] = defaultdict(int)
+
+        def decide(ctx: Any, op: Any, *args: Any, **kwargs: Any):
+            index = calls[op]
+            calls[op] = index + 1
+            if (op, index) in kept:
+                return _SAVE
+            return policy(ctx, op, *args, **kwargs)
+
+        storage: dict[Any, dict[int, Any]] = defaultdict(dict)
+        return _CachingMode(decide, storage), _ReplayMode(storage, name)
+
+    return contexts
+
+
+def apply_budget(
+    model: nn.Module, profile: Callable[[nn.Module], torch.Tensor], budget: float
+) -> list[BlockPlan]:
+    """Profile one step of the full-mode-wrapped ``model`` and switch each block to its plan."""
+    from prime_ac.audit import audit
+
+    report = audit(model, profile)
+    capacity = per_block_budget(budget, report.held_bytes_no_ac, len(report.blocks))
+    modules = dict(model.named_modules())
+    plans = []
+    for name in report.blocks:
+        plan = plan_block(name, report.calls.get(name, []), capacity)
+        block = modules[name]
+        block._prime_ac = dataclasses.replace(
+            block._prime_ac,
+            context_fn=budget_context_fn(
+                block._prime_ac.policy, frozenset(plan.kept), f"block {name!r}"
+            ),
+            plan=plan,
+        )
+        plans.append(plan)
+    return plans

@@ -1,0 +1,187 @@
+"""prime_ac.audit and the memory-budget policy (targets="auto")."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from ac_models import CountingModel, assert_bitwise_equal, grads
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import prime_ac
+from prime_ac.budget import choose_calls
+from prime_ac.demo import compare_modes
+from prime_ac.models import build_model
+
+
+def _counting(settings_):
+    torch.manual_seed(0)
+    model = CountingModel()
+    prime_ac.checkpoint_blocks(model, **settings_)
+    x = torch.randn(5, 8)
+    return model, (lambda m: m(x))
+
+
+def _row(report, op, block="layers.0"):
+    return next(r for r in report.ops if r.op == op and r.block == block)
+
+
+def test_audit_selective_reports_kept_op_bytes_and_unmatched_targets():
+    model, loss = _counting({"mode": "selective", "targets": ["prime_ac_test", "aten::bmm"]})
+    report = prime_ac.audit(model, loss)
+    assert report.blocks == [f"layers.{i}" for i in range(4)]
+    row = _row(report, "prime_ac_test::scaled_tanh.default")
+    assert (row.decision, row.calls, row.kept_bytes, row.replays) == ("kept", 1, 5 * 8 * 4, 0)
+    mm = _row(report, "aten::addmm.default")
+    assert mm.decision == "replayed" and mm.replays == 1 and mm.replayed_flops == 2 * 5 * 8 * 8
+    assert report.unmatched_targets == ["aten::bmm"]
+    assert report.block_kept_bytes() == {f"layers.{i}": 160 for i in range(4)}
+    assert 0 < report.held_bytes < report.held_bytes_no_ac
+
+
+def test_audit_full_mode_replays_the_op_in_every_block():
+    model, loss = _counting({"mode": "full"})
+    report = prime_ac.audit(model, loss)
+    rows = [r for r in report.ops if r.op == "prime_ac_test::scaled_tanh.default"]
+    assert [(r.decision, r.replays, r.kept_bytes) for r in rows] == [("replayed", 1, 0)] * 4
+    assert report.unmatched_targets == []  # full mode has no targets
+
+
+@pytest.mark.slow
+def test_audit_replayed_flops_agree_with_the_backward_flop_difference():
+    rows = {
+        r.mode: r
+        for r in compare_modes("moe", modes=("none", "full"), batch=2, seq_len=16, n_layers=2)
+    }
+    model = build_model("moe", n_layers=2)
+    tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    prime_ac.checkpoint_blocks(model, mode="full")
+    report = prime_ac.audit(model, lambda m: m.loss(tokens))
+    assert report.replayed_flops == rows["full"].recomputed_flops
+    assert report.held_bytes / report.held_bytes_no_ac == pytest.approx(rows["full"].held_ratio)
+    mandatory = {r.op for r in report.ops if r.decision == "mandatory"}
+    assert mandatory == {"aten::topk.default"}
+
+
+def test_audit_leaves_gradients_and_serialises():
+    model, loss = _counting({"mode": "selective"})
+    loss(model).backward()
+    before = grads(model)
+    report = prime_ac.audit(model, loss)
+    assert_bitwise_equal(grads(model), before)
+    data = json.loads(report.to_json())
+    assert data["mode"] == "selective" and data["ops"][0].keys() >= {"block", "op", "decision"}
+    text = str(report)
+    assert "prime_ac audit: mode=selective, 4 checkpointed blocks" in text
+    assert "targets that matched nothing:" in text
+
+
+def test_audit_needs_wrapped_blocks():
+    with pytest.raises(ValueError, match="call prime_ac.checkpoint_blocks"):
+        prime_ac.audit(CountingModel(), lambda m: m(torch.randn(2, 8)))
+
+
+@pytest.mark.slow
+def test_audit_cli_prints_json_only():
+    out = subprocess.run(
+        [sys.executable, "-m", "prime_ac", "audit", "--model", "dense", "--mode", "full", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    report = json.loads(out.stdout)
+    assert report["mode"] == "full" and len(report["blocks"]) == 4
+    bad = subprocess.run(
+        [sys.executable, "-m", "prime_ac", "audit", "--targets", "aten:mm"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert bad.returncode == 2 and "invalid operator target 'aten:mm'" in bad.stderr
+
+
+# --- the budget policy ----------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    items=st.lists(st.tuples(st.integers(0, 50), st.integers(0, 100)), max_size=8),
+    capacity=st.integers(0, 150),
+)
+def test_choose_calls_is_an_exact_knapsack(items, capacity):
+    chosen = choose_calls(items, capacity)
+    assert sum(items[i][0] for i in chosen) <= capacity
+    best = max(
+        sum(items[i][1] for i in subset)
+        for r in range(len(items) + 1)
+        for subset in itertools.combinations(range(len(items)), r)
+        if sum(items[i][0] for i in subset) <= capacity
+    )
+    assert sum(items[i][1] for i in chosen) == best
+
+
+@pytest.fixture(scope="module")
+def dense_step():
+    model = build_model("dense", n_layers=2)
+    tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    return model, (lambda m: m.loss(tokens))
+
+
+@pytest.mark.slow
+def test_budget_is_respected_and_more_budget_never_replays_more(dense_step):
+    base, loss = dense_step
+    reference = copy.deepcopy(base)
+    loss(reference).backward()
+    replayed = []
+    for budget in [0.0, 0.05, 0.1, 0.2, 0.4, 1.0]:
+        model = copy.deepcopy(base)
+        prime_ac.checkpoint_blocks(
+            model, mode="selective", targets="auto", budget=budget, profile=loss
+        )
+        report = prime_ac.audit(model, loss)
+        assert report.mode == "auto"
+        for block in model.layers:
+            plan = block._prime_ac.plan
+            assert report.block_kept_bytes()[plan.block] == plan.kept_bytes <= plan.budget_bytes
+        replayed.append(report.replayed_flops)
+        model.zero_grad()
+        loss(model).backward()
+        assert_bitwise_equal(grads(model), grads(reference))
+    assert replayed == sorted(replayed, reverse=True)
+    assert replayed[0] > replayed[-1] == 0  # everything worth keeping fits in the whole budget
+
+
+def test_budget_in_bytes_per_block(dense_step):
+    base, loss = dense_step
+    model = copy.deepcopy(base)
+    prime_ac.checkpoint_blocks(model, mode="selective", targets="auto", budget=20_000, profile=loss)
+    plans = [block._prime_ac.plan for block in model.layers]
+    assert all(p.budget_bytes == 20_000 and 0 < p.kept_bytes <= 20_000 for p in plans)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"mode": "selective", "targets": "auto", "budget": 0.5}, "needs profile="),
+        ({"mode": "full", "targets": "auto", "budget": 0.5, "profile": len}, 'mode="selective"'),
+        ({"mode": "selective", "targets": "auto", "profile": len}, "needs budget="),
+        ({"mode": "selective", "budget": 0.5}, 'applies only with targets="auto"'),
+        ({"mode": "selective", "targets": "auto", "budget": 1.5, "profile": len}, r"\[0, 1\]"),
+        ({"mode": "selective", "targets": "auto", "budget": -3, "profile": len}, "budget=-3"),
+    ],
+)
+def test_budget_argument_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        prime_ac.checkpoint_blocks(CountingModel(), **kwargs)
+
+
+def test_config_accepts_auto_with_a_budget():
+    cfg = prime_ac.ACConfig.from_dict({"mode": "selective", "targets": "auto", "budget": 0.25})
+    assert (cfg.targets, cfg.budget) == ("auto", 0.25)
