@@ -132,6 +132,8 @@ def _all_to_all_single_backward(ctx, grad):
     output_splits, input_splits = ctx.saved_tensors
     # The adjoint sends every gradient row back where its activation came from.
     grad_x = _all_to_all_single(grad, input_splits, output_splits, ctx.group_name)
+    # Under compile the returned row count is a fresh unbacked size; it equals x's by
+    # construction, and saying so lets autograd match the gradient's shape to x's.
     torch._check(grad_x.shape[0] == ctx.rows)
     return grad_x, None, None, None
 
@@ -180,7 +182,12 @@ _all_to_all_single_equal.register_autograd(
 # --- all_gather / reduce_scatter_sum --------------------------------------------------------
 
 
-@torch.library.custom_op(f"{NAMESPACE}::all_gather", mutates_args=())
+# Explicit schemas: ``dim`` picks the layout, so it is a plain int, not a SymInt.
+@torch.library.custom_op(
+    f"{NAMESPACE}::all_gather",
+    mutates_args=(),
+    schema="(Tensor x, int dim, str group_name) -> Tensor",
+)
 def _all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``, in rank order."""
     group = _resolve(group_name)
@@ -212,7 +219,11 @@ def _all_gather_backward(ctx, grad):
 _all_gather.register_autograd(_all_gather_backward, setup_context=_gather_scatter_setup)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::reduce_scatter_sum", mutates_args=())
+@torch.library.custom_op(
+    f"{NAMESPACE}::reduce_scatter_sum",
+    mutates_args=(),
+    schema="(Tensor x, int dim, str group_name) -> Tensor",
+)
 def _reduce_scatter_sum(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
     """Sum ``x`` over ranks and keep this rank's equal chunk along ``dim``."""
     group = _resolve(group_name)
@@ -288,7 +299,9 @@ def all_to_all_single_equal(
     return _all_to_all_single_equal(x, _group_name(group))
 
 
-def all_gather(x: torch.Tensor, dim: int = 0, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def all_gather(
+    x: torch.Tensor, dim: int = 0, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Concatenate ``x`` from every rank along ``dim``; the gradient is a sum reduce-scatter."""
     return _all_gather(x, dim, _group_name(group))
 
