@@ -10,7 +10,7 @@ loading code needs no name-stripping.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,7 +185,7 @@ def checkpoint_blocks(
     preserve_rng_state: bool = True,
     strict: bool = False,
     config: ACConfig | None = None,
-    budget: int | float | None = None,
+    budget: int | float | Mapping[str, int] | None = None,
     profile: Callable[[nn.Module], Any] | None = None,
 ) -> list[str]:
     """Wrap each selected block of ``model`` in its own non-reentrant checkpoint region.
@@ -197,7 +197,8 @@ def checkpoint_blocks(
     raise ValueError with ``strict=True``.
 
     ``targets="auto"`` keeps, per block, the operator calls that save the most replayed FLOPs
-    within ``budget`` (bytes per block, or a float fraction of the no-AC activation memory),
+    within ``budget`` (bytes per block, a float fraction of the no-AC activation memory, or a
+    ``{block name: bytes}`` mapping),
     measured on one step ``profile(model)`` that returns a loss (see :mod:`prime_ac.budget`).
 
     Example::

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,13 +71,19 @@ def choose_calls(items: Sequence[tuple[int, int]], capacity: int) -> list[int]:
     return list(frontier[max(frontier)][1])
 
 
-def per_block_budget(budget: float, held_bytes_no_ac: int, n_blocks: int) -> int:
-    """Bytes per block: ``budget`` itself if an int, else that fraction of an even share of the
-    no-AC activation memory."""
+def per_block_budget(budget: Any, held_bytes_no_ac: int, n_blocks: int, block: str = "") -> int:
+    """Bytes for one block: an int is bytes per block; a float is that fraction of an even share
+    of the no-AC activation memory; a mapping gives each block (by qualified name) its bytes."""
+    if isinstance(budget, Mapping):
+        if block not in budget:
+            raise ValueError(f"budget has no entry for checkpointed block {block!r}")
+        budget = budget[block]
+        if isinstance(budget, float):
+            raise ValueError(f"budget[{block!r}]={budget!r}: per-block budgets are bytes (int)")
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget < 0:
         raise ValueError(
-            f"budget={budget!r} must be bytes per block (int >= 0) or a fraction of the no-AC "
-            "activation memory (float in [0, 1])"
+            f"budget={budget!r} must be bytes per block (int >= 0), a fraction of the no-AC "
+            "activation memory (float in [0, 1]), or a {block name: bytes} mapping"
         )
     if isinstance(budget, float):
         if budget > 1:
@@ -129,16 +135,16 @@ def budget_context_fn(
 
 
 def apply_budget(
-    model: nn.Module, profile: Callable[[nn.Module], torch.Tensor], budget: float
+    model: nn.Module, profile: Callable[[nn.Module], torch.Tensor], budget: Any
 ) -> list[BlockPlan]:
     """Profile one step of the full-mode-wrapped ``model`` and switch each block to its plan."""
     from prime_ac.audit import audit
 
     report = audit(model, profile)
-    capacity = per_block_budget(budget, report.held_bytes_no_ac, len(report.blocks))
     modules = dict(model.named_modules())
     plans = []
     for name in report.blocks:
+        capacity = per_block_budget(budget, report.held_bytes_no_ac, len(report.blocks), name)
         plan = plan_block(name, report.calls.get(name, []), capacity)
         block = modules[name]
         block._prime_ac = dataclasses.replace(

@@ -20,8 +20,8 @@ class ACConfig:
 
     ``mode`` is ``"full"`` (keep only the mandatory operators) or ``"selective"`` (also keep
     ``targets``); ``freq=k`` checkpoints every k-th block; ``targets=None`` means the defaults;
-    ``targets="auto"`` with ``budget`` (bytes per block, or a fraction of the no-AC activation
-    memory) lets prime_ac choose from a profiled step.
+    ``targets="auto"`` with ``budget`` (bytes per block, a fraction of the no-AC activation
+    memory, or ``{block name: bytes}``) lets prime_ac choose from a profiled step.
 
     Example (TOML)::
 
@@ -34,7 +34,7 @@ class ACConfig:
     mode: str = "full"
     freq: int = 1
     targets: tuple[str, ...] | str | None = None
-    budget: int | float | None = None
+    budget: int | float | Mapping[str, int] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in _MODES:
@@ -55,7 +55,11 @@ class ACConfig:
                     'targets="auto" needs budget=: bytes per block (int) or a fraction of the '
                     "no-AC activation memory (float in [0, 1])"
                 )
-            per_block_budget(self.budget, 0, 1)  # validates the value
+            if isinstance(self.budget, Mapping):
+                for block in self.budget:
+                    per_block_budget(self.budget, 0, 1, block)  # validates each value
+            else:
+                per_block_budget(self.budget, 0, 1)  # validates the value
         elif self.budget is not None:
             raise ValueError(f'budget={self.budget!r} applies only with targets="auto"')
         elif self.targets is not None:

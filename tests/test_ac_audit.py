@@ -7,6 +7,7 @@ import itertools
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -185,3 +186,43 @@ def test_budget_argument_errors(kwargs, message):
 def test_config_accepts_auto_with_a_budget():
     cfg = prime_ac.ACConfig.from_dict({"mode": "selective", "targets": "auto", "budget": 0.25})
     assert (cfg.targets, cfg.budget) == ("auto", 0.25)
+
+
+def test_budget_per_block_mapping(dense_step):
+    base, loss = dense_step
+    model = copy.deepcopy(base)
+    budget = {"layers.0": 0, "layers.1": 40_000}
+    prime_ac.checkpoint_blocks(model, mode="selective", targets="auto", budget=budget, profile=loss)
+    first, second = (block._prime_ac.plan for block in model.layers)
+    assert (first.budget_bytes, first.kept_bytes, first.kept) == (0, 0, ())
+    assert second.budget_bytes == 40_000 and 0 < second.kept_bytes <= 40_000
+    with pytest.raises(ValueError, match="no entry for checkpointed block 'layers.1'"):
+        prime_ac.checkpoint_blocks(
+            copy.deepcopy(base),
+            mode="selective",
+            targets="auto",
+            budget={"layers.0": 10},
+            profile=loss,
+        )
+    with pytest.raises(ValueError, match=r"budget\['layers.0'\]=0.5"):
+        prime_ac.ACConfig("selective", targets="auto", budget={"layers.0": 0.5})
+
+
+@pytest.mark.slow
+def test_tradeoff_benchmark_budget_policy_dominates_the_torchtitan_rule():
+    out = subprocess.run(
+        [sys.executable, "benchmarks/ac_tradeoff.py", "--quick", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+        cwd=Path(__file__).parents[1],
+    )
+    result = json.loads(out.stdout)
+    for name, model in result["models"].items():
+        rows = {r["policy"]: r for r in model["rows"]}
+        assert model["pareto"]["dominated"], name
+        assert rows["full"]["kept_ratio"] <= 0.15, name
+        assert rows["budget 0.5"]["replayed_flops"] == 0, name
+    assert result["models"]["dense/small"]["pareto"]["strictly"]
+    assert result["decision_ns_per_op"] < 5000  # < 1 us on a quiet machine; CI is shared

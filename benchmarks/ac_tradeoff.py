@@ -1,0 +1,219 @@
+"""Memory against replay for each checkpoint policy, on the built-in dense and MoE models.
+
+For no AC, full, selective (prime_ac's defaults), torchtitan's SelectiveAC rule (reimplemented
+as the anchor: compute-intensive ops kept, every other matmul replayed) and the budget policy at
+several budgets, one run prints:
+
+- kept: bytes alive between forward and backward, relative to no AC (deterministic)
+- replayed: forward FLOPs the backward re-executes, relative to one forward (deterministic)
+- step: eager training-step time relative to no AC (best of 3; noisy on shared machines)
+
+then checks the budget policy against the torchtitan rule (Pareto dominance) and times the
+policy's per-operator decision. ``--json`` prints the results as JSON only.
+
+    python benchmarks/ac_tradeoff.py [--json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import time
+import timeit
+from collections import defaultdict
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+import prime_ac
+from prime_ac.models import build_model
+
+aten = torch.ops.aten
+
+# torchtitan's save list; on CPU, SDPA dispatches to the flash_for_cpu op, which stands in for the
+# CUDA attention kernels it names.
+TORCHTITAN_SAVE = {
+    aten.mm.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_cudnn_attention.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_mm.default,
+    aten.max.default,
+    aten.topk.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.all_to_all_single.default,
+    torch.ops.higher_order.flex_attention,
+}
+
+
+def torchtitan_contexts():
+    """Per region: keep the save list, except every second matmul (torchtitan's rule)."""
+    matmuls = defaultdict(int)
+
+    def policy(ctx, op, *args, **kwargs):
+        if op == aten.mm.default:
+            matmuls["count"] += 1
+        keep = op in TORCHTITAN_SAVE and not (op == aten.mm.default and matmuls["count"] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def apply_policy(model, name, loss, budget=None):
+    if name == "none":
+        return
+    if name == "torchtitan":
+        prime_ac.checkpoint_blocks(model, mode="full")
+        for block in model.layers:  # swap in the anchor's contexts; prime_ac still wraps
+            block._prime_ac = dataclasses.replace(block._prime_ac, context_fn=torchtitan_contexts)
+    elif name.startswith("budget"):
+        prime_ac.checkpoint_blocks(
+            model, mode="selective", targets="auto", budget=budget, profile=loss
+        )
+    else:
+        prime_ac.checkpoint_blocks(model, mode=name)
+
+
+def step_time(model, loss, repeats=3):
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first run warms up
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        loss(model).backward()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure(kind, overrides, budgets, seq_len):
+    base = build_model(kind, **overrides)
+    tokens = torch.randint(
+        0, base.cfg.vocab_size, (4, seq_len + 1), generator=torch.Generator().manual_seed(0)
+    )
+
+    def loss(m):
+        return m.loss(tokens)
+
+    rows = []
+
+    def run(name, budget=None):
+        model = copy.deepcopy(base)
+        apply_policy(model, name, loss, budget)
+        if name == "none":  # audit needs wrapped blocks; no AC is its own baseline
+            prime_ac.checkpoint_blocks(model, mode="full")
+            report = prime_ac.audit(model, loss)
+            prime_ac.unwrap_blocks(model)
+            kept, replayed = report.held_bytes_no_ac, 0
+        else:
+            report = prime_ac.audit(model, loss)
+            kept, replayed = report.held_bytes, report.replayed_flops
+        row = {
+            "policy": name,
+            "budget": budget,
+            "kept_bytes": kept,
+            "kept_ratio": kept / report.held_bytes_no_ac,
+            "replayed_flops": replayed,
+            "replayed_ratio": replayed / report.forward_flops,
+            "block_kept_bytes": report.block_kept_bytes() if name != "none" else None,
+            "step_s": step_time(model, loss),
+        }
+        rows.append(row)
+        return row
+
+    run("none")
+    run("full")
+    run("selective")
+    anchor = run("torchtitan")
+    for fraction in budgets:
+        run(f"budget {fraction:g}", fraction)
+    run("budget = torchtitan bytes", anchor["block_kept_bytes"])
+    none_step = rows[0]["step_s"]
+    for row in rows:
+        row["step_ratio"] = row["step_s"] / none_step
+    return rows
+
+
+def pareto_check(rows):
+    """Budget points dominate the anchor: one at <= bytes and <= FLOPs, and one strictly better."""
+    anchor = next(r for r in rows if r["policy"] == "torchtitan")
+    budget_rows = [r for r in rows if r["policy"].startswith("budget")]
+    covering = [
+        r
+        for r in budget_rows
+        if r["kept_bytes"] <= anchor["kept_bytes"]
+        and r["replayed_flops"] <= anchor["replayed_flops"]
+    ]
+    strictly = [
+        r
+        for r in covering
+        if r["kept_bytes"] < anchor["kept_bytes"] or r["replayed_flops"] < anchor["replayed_flops"]
+    ]
+    return {
+        "dominated": bool(covering),
+        "strictly": bool(strictly),
+        "witness": strictly[0]["policy"] if strictly else None,
+    }
+
+
+def decision_cost_ns():
+    """Policy cost per operator after warm-up, over a mix of kept, replayed and host-sync ops."""
+    policy = prime_ac.make_policy("selective")
+    x = torch.zeros(4, 4)
+    calls = [
+        (aten.mm.default, (x, x), {}),
+        (aten.add.Tensor, (x, x), {}),
+        (aten.view.default, (x, [16]), {}),
+        (aten.topk.default, (x, 2), {}),
+        (aten._to_copy.default, (x,), {"dtype": torch.float16}),
+    ]
+    for op, args, kwargs in calls:
+        policy(None, op, *args, **kwargs)
+
+    def mix():
+        for op, args, kwargs in calls:
+            policy(None, op, *args, **kwargs)
+
+    number = 20000
+    best = min(timeit.repeat(mix, number=number, repeat=5))
+    return best / (number * len(calls)) * 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="one small size per model")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    sizes = {"small": {"n_layers": 4}, "wide": {"n_layers": 4, "dim": 128, "hidden_dim": 256}}
+    if args.quick:
+        sizes = {"small": sizes["small"]}
+    budgets = (0.05, 0.1, 0.2, 0.3, 0.5)
+    results = {}
+    for kind in ("dense", "moe"):
+        for size, overrides in sizes.items():
+            rows = measure(kind, overrides, budgets, seq_len=128)
+            results[f"{kind}/{size}"] = {"rows": rows, "pareto": pareto_check(rows)}
+    cost = decision_cost_ns()
+    if args.json:
+        print(json.dumps({"models": results, "decision_ns_per_op": cost}, indent=2))
+        return
+    for name, result in results.items():
+        print(f"\n{name}: kept bytes vs no AC, replayed FLOPs vs one forward, step time vs no AC")
+        print(f"{'policy':<28} {'kept':>8} {'replayed':>9} {'step':>7}")
+        for r in result["rows"]:
+            print(
+                f"{r['policy']:<28} {r['kept_ratio']:>8.1%} {r['replayed_ratio']:>9.1%} "
+                f"{r['step_ratio']:>6.2f}x"
+            )
+        p = result["pareto"]
+        print(
+            f"budget policy dominates torchtitan rule: {p['dominated']}, strictly: "
+            f"{p['strictly']} ({p['witness']})"
+        )
+    print(f"\npolicy decision cost: {cost:.0f} ns per operator after warm-up")
+
+
+if __name__ == "__main__":
+    main()
