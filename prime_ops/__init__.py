@@ -4,7 +4,16 @@
 installed; kernel libraries are imported on the first real call. prime_ops never imports prime_ac.
 """
 
+from prime_ops import attn, collectives, deepep, expert_parallel, fp8, moe, quack
 from prime_ops.backends import BackendUnavailable
-from prime_ops import attn, collectives, deepep, fp8, moe, quack  # noqa: E402  (registers the ops)
 
-__all__ = ["BackendUnavailable", "attn", "collectives", "deepep", "fp8", "moe", "quack"]
+__all__ = [
+    "BackendUnavailable",
+    "attn",
+    "collectives",
+    "deepep",
+    "expert_parallel",
+    "fp8",
+    "moe",
+    "quack",
+]
