@@ -139,7 +139,10 @@ class ExpertParallelMoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         probs = torch.softmax(self.router(x).float(), dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
-        counts = torch.bincount(experts.flatten(), minlength=self.num_experts)
+        # A static-shape count (bincount's length depends on the data under torch.compile).
+        flat = experts.flatten()
+        counts = torch.zeros(self.num_experts, dtype=flat.dtype, device=flat.device)
+        counts = counts.scatter_add(0, flat, torch.ones_like(flat))
         with torch.no_grad():
             record_moe_routing_statistics(
                 self.tokens_per_expert, self.routing_confidence_sum, counts, weights.sum()
