@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -48,6 +49,13 @@ class _CheckpointedBlock(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         state = self._prime_ac
+        if state.plan is not None and torch.compiler.is_compiling():
+            raise RuntimeError(
+                f'prime_ac: {state.name} uses a targets="auto" plan, which is keyed on the '
+                "operator calls of an eager forward and is not guarded by torch.compile (blocks "
+                "sharing code would share one plan). Run these blocks eagerly, or compile with "
+                "explicit targets (and torch._functorch.config.activation_memory_budget)."
+            )
         return checkpoint(
             super().forward,
             *args,

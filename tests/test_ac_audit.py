@@ -226,3 +226,16 @@ def test_tradeoff_benchmark_budget_policy_dominates_the_torchtitan_rule():
         assert rows["budget 0.5"]["replayed_flops"] == 0, name
     assert result["models"]["dense/small"]["pareto"]["strictly"]
     assert result["decision_ns_per_op"] < 5000  # < 1 us on a quiet machine; CI is shared
+
+
+@pytest.mark.slow
+def test_auto_plans_refuse_torch_compile(dense_step):
+    base, loss = dense_step
+    model = copy.deepcopy(base)
+    prime_ac.checkpoint_blocks(model, mode="selective", targets="auto", budget=0.3, profile=loss)
+    torch._dynamo.reset()
+    for block in model.layers:
+        block.compile(fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match='uses a targets="auto" plan'):
+        loss(model)
+    torch._dynamo.reset()
