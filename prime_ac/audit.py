@@ -127,6 +127,14 @@ class AuditReport:
                 f"{r.op:<58} {r.decision:<10} {r.calls:>6} {_mib(r.kept_bytes):>11} "
                 f"{r.replays:>8} {r.replayed_flops / 1e6:>10.2f} MFLOP"
             )
+        lines += ["", f"{'block':<24} {'kept':>11} {'replays':>8} {'replayed FLOPs':>15}"]
+        for block in self.blocks:
+            records = [r for r in self.ops if r.block == block]
+            lines.append(
+                f"{block:<24} {_mib(sum(r.kept_bytes for r in records)):>11} "
+                f"{sum(r.replays for r in records):>8} "
+                f"{sum(r.replayed_flops for r in records) / 1e6:>10.2f} MFLOP"
+            )
         lines += [
             "",
             f"held for backward: {_mib(self.held_bytes)} of {_mib(self.held_bytes_no_ac)} without "
@@ -144,13 +152,14 @@ def _mib(n: int) -> str:
 
 class _Recorder:
     def __init__(self) -> None:
-        self.ops: dict[tuple[str, Any], OpRecord] = {}
+        self.ops: dict[tuple[str, Any, str], OpRecord] = {}
         self.calls: dict[str, list[CallRecord]] = defaultdict(list)
         self.by_position: dict[tuple[str, Any, int], CallRecord] = {}
         self.seen: set[Any] = set()
 
     def record(self, block: str, op: Any, decision: str) -> OpRecord:
-        key = (block, op)
+        # a budget plan can keep some calls of an overload and replay others: one row each
+        key = (block, op, decision)
         if key not in self.ops:
             self.ops[key] = OpRecord(block, op_name(op), decision)
         return self.ops[key]

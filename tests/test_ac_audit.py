@@ -239,3 +239,15 @@ def test_auto_plans_refuse_torch_compile(dense_step):
     with pytest.raises(Exception, match='uses a targets="auto" plan'):
         loss(model)
     torch._dynamo.reset()
+
+
+def test_audit_of_a_budget_plan_splits_an_operator_by_decision(dense_step):
+    base, loss = dense_step
+    model = copy.deepcopy(base)
+    prime_ac.checkpoint_blocks(model, mode="selective", targets="auto", budget=0.2, profile=loss)
+    report = prime_ac.audit(model, loss)
+    mm = [r for r in report.ops if r.op == "aten::mm.default" and r.block == "layers.0"]
+    assert {r.decision for r in mm} == {"kept", "replayed"}
+    kept = next(r for r in mm if r.decision == "kept")
+    assert kept.replays == 0 and kept.kept_bytes > 0
+    assert "block " in str(report) and "layers.1" in str(report)
