@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import _RECOMPUTE, SAC_IGNORED_OPS, _sac_storage_key
 
 from prime_ac.blocks import _BlockCheckpoint, _is_wrapped, _unwrap, _wrap
-from prime_ac.measure import OpCounter, StorageTracker, operator_flops
+from prime_ac.measure import operator_flops, track_step
 from prime_ac.policy import (
     _REPLAY_IGNORED_OPS,
     HOST_SYNC,
@@ -259,18 +259,6 @@ def _recording_contexts(state: _BlockCheckpoint, recorder: _Recorder):
     return contexts
 
 
-def _held_and_flops(model: nn.Module, loss_fn: LossFn) -> tuple[int, int]:
-    tracker = StorageTracker()
-    tracker.exclude([*model.parameters(), *model.buffers()])
-    counter = OpCounter()
-    with tracker, counter:
-        loss = loss_fn(model)
-    tracker._storages.pop(loss.untyped_storage().data_ptr(), None)
-    held = tracker.held_bytes()
-    loss.backward()
-    return held, counter.flops
-
-
 @contextmanager
 def _grads_preserved(model: nn.Module) -> Iterator[None]:
     # backward accumulates into an existing .grad in place, so the audit starts from None
@@ -299,10 +287,10 @@ def audit(model: nn.Module, loss_fn: LossFn) -> AuditReport:
     blocks = _wrapped_blocks(model)
     with _grads_preserved(model):
         with _unwrapped(blocks):
-            held_none, forward_flops = _held_and_flops(model, loss_fn)
+            held_none, forward_flops = track_step(model, loss_fn)
         recorder = _Recorder()
         with _recording(blocks, recorder):
-            held, _ = _held_and_flops(model, loss_fn)
+            held, _ = track_step(model, loss_fn)
     state = blocks[0][1]._prime_ac
     policy = state.policy
     mode = "auto" if state.plan is not None else policy.mode

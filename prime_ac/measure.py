@@ -21,7 +21,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-__all__ = ["OpCounter", "StepStats", "StorageTracker", "measure_step", "operator_flops"]
+__all__ = [
+    "OpCounter",
+    "StepStats",
+    "StorageTracker",
+    "measure_step",
+    "operator_flops",
+    "track_step",
+]
 
 # torch's FLOP formulas have no entry for CPU flash attention; its shapes and maths are those of
 # the CUDA flash kernel, whose formula reads only q, k and v.
@@ -99,13 +106,27 @@ class StepStats:
     grads: dict[str, torch.Tensor] = field(repr=False)
 
 
+def track_step(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor]) -> tuple[int, int]:
+    """Run one step; return (bytes held when backward starts, FLOPs of the forward).
+
+    Held bytes are the storages the forward created that are still alive once it returns, the
+    loss itself excluded: what the model keeps for backward, under any checkpoint policy.
+    """
+    tracker, counter = StorageTracker(), OpCounter()
+    tracker.exclude([*model.parameters(), *model.buffers()])
+    with tracker, counter:
+        loss = loss_fn(model)
+    tracker._storages.pop(loss.untyped_storage().data_ptr(), None)
+    held = tracker.held_bytes()
+    loss.backward()
+    return held, counter.flops
+
+
 def measure_step(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor]) -> StepStats:
     """Run ``loss_fn(model).backward()`` three times: timed, memory-tracked, counted.
 
     Gradients come from the timed run, which runs under no extra mode.
     """
-    params = [p for p in model.parameters()] + [b for b in model.buffers()]
-
     model.zero_grad(set_to_none=True)
     start = time.perf_counter()
     loss = loss_fn(model)
@@ -114,18 +135,10 @@ def measure_step(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor])
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
     model.zero_grad(set_to_none=True)
-    tracker = StorageTracker()
-    tracker.exclude(params)
-    with tracker:
-        tracked = loss_fn(model)
-    tracker._storages.pop(tracked.untyped_storage().data_ptr(), None)
-    held = tracker.held_bytes()
-    tracked.backward()
+    held, forward_flops = track_step(model, loss_fn)
 
     model.zero_grad(set_to_none=True)
-    forward = OpCounter()
-    with forward:
-        counted = loss_fn(model)
+    counted = loss_fn(model)
     backward = OpCounter()
     with backward:
         counted.backward()
@@ -133,7 +146,7 @@ def measure_step(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor])
     return StepStats(
         loss=loss.item(),
         held_bytes=held,
-        forward_flops=forward.flops,
+        forward_flops=forward_flops,
         backward_flops=backward.flops,
         backward_ops=backward.counts,
         wall_s=wall,
