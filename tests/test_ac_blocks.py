@@ -187,6 +187,13 @@ def test_blocks_paths_predicates_and_their_errors():
         "double_blocks.1",
     ]
     assert not hasattr(model.single_blocks[0], "_prime_ac")  # re-applying unwrapped it
+    assert prime_ac.checkpoint_blocks(model, blocks=["double_blocks", "single_blocks"], freq=2) == [
+        "double_blocks.0",
+        "single_blocks.0",
+        "single_blocks.2",
+    ]
+    with pytest.raises(TypeError, match="dotted paths"):
+        prime_ac.checkpoint_blocks(model, blocks=["single_blocks", 3])
     with pytest.raises(ValueError, match=r"blocks='blocks' does not exist in DiT.*double_blocks"):
         prime_ac.checkpoint_blocks(model, blocks="blocks")
     with pytest.raises(ValueError, match=r"blocks='final' is a Linear, not a ModuleList"):
