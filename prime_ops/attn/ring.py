@@ -63,7 +63,42 @@ def _steps(rank: int, world: int, causal: bool):
             yield step, (src, causal and src == rank)
 
 
-def _forward(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, softcap, group_name, backend):
+def _check(q, k, v, cu_seqlens, max_seqlen, softmax_scale, softcap, backend):
+    spec = get_backend(backend)
+    check_arguments(
+        spec,
+        q,
+        k,
+        v,
+        cu_seqlens,
+        cu_seqlens,
+        max_seqlen,
+        max_seqlen,
+        softmax_scale,
+        *_NO_WINDOW,
+        softcap,
+    )
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"ring attention needs q, k, v shards of the same length; got {q.shape[0]} query and "
+            f"{k.shape[0]} key tokens"
+        )
+
+
+@torch.library.custom_op("prime_rl_attn::ring_attention", mutates_args=())
+def _ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    causal: bool,
+    softmax_scale: float,
+    softcap: float,
+    group_name: str,
+    backend: str,
+) -> tuple[Tensor, Tensor]:
+    _check(q, k, v, cu_seqlens, max_seqlen, softmax_scale, softcap, backend)
     spec = get_backend(backend)
     group = _resolve_process_group(group_name)
     rank, world = group.rank(), group.size()
@@ -105,21 +140,29 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, softcap, gr
     return out.to(q.dtype), lse
 
 
-def _backward(
-    dout,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    cu_seqlens,
-    max_seqlen,
-    causal,
-    softmax_scale,
-    softcap,
-    group_name,
-    backend,
-):
+@_ring_attention.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, softcap, group_name, backend):
+    _check(q, k, v, cu_seqlens, max_seqlen, softmax_scale, softcap, backend)
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    return out, q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("prime_rl_attn::ring_attention_backward", mutates_args=())
+def _ring_attention_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    causal: bool,
+    softmax_scale: float,
+    softcap: float,
+    group_name: str,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
     spec = get_backend(backend)
     group = _resolve_process_group(group_name)
     rank, world = group.rank(), group.size()
@@ -167,87 +210,6 @@ def _backward(
     _wait(dkv_reqs)
     dk, dv = _unpack(dkv, (k, v))  # views of one buffer: copy, outputs may not alias
     return dq.to(q.dtype), dk.to(k.dtype, copy=True), dv.to(v.dtype, copy=True)
-
-
-def _check(q, k, v, cu_seqlens, max_seqlen, softmax_scale, softcap, backend):
-    spec = get_backend(backend)
-    check_arguments(
-        spec,
-        q,
-        k,
-        v,
-        cu_seqlens,
-        cu_seqlens,
-        max_seqlen,
-        max_seqlen,
-        softmax_scale,
-        *_NO_WINDOW,
-        softcap,
-    )
-    if k.shape[0] != q.shape[0]:
-        raise ValueError(
-            f"ring attention needs q, k, v shards of the same length; got {q.shape[0]} query and "
-            f"{k.shape[0]} key tokens"
-        )
-
-
-@torch.library.custom_op("prime_rl_attn::ring_attention", mutates_args=())
-def _ring_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_seqlens: Tensor,
-    max_seqlen: int,
-    causal: bool,
-    softmax_scale: float,
-    softcap: float,
-    group_name: str,
-    backend: str,
-) -> tuple[Tensor, Tensor]:
-    _check(q, k, v, cu_seqlens, max_seqlen, softmax_scale, softcap, backend)
-    return _forward(
-        q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, softcap, group_name, backend
-    )
-
-
-@_ring_attention.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, softcap, group_name, backend):
-    _check(q, k, v, cu_seqlens, max_seqlen, softmax_scale, softcap, backend)
-    out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
-    return out, q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
-
-
-@torch.library.custom_op("prime_rl_attn::ring_attention_backward", mutates_args=())
-def _ring_attention_backward(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    cu_seqlens: Tensor,
-    max_seqlen: int,
-    causal: bool,
-    softmax_scale: float,
-    softcap: float,
-    group_name: str,
-    backend: str,
-) -> tuple[Tensor, Tensor, Tensor]:
-    return _backward(
-        dout,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        cu_seqlens,
-        max_seqlen,
-        causal,
-        softmax_scale,
-        softcap,
-        group_name,
-        backend,
-    )
 
 
 @_ring_attention_backward.register_fake
