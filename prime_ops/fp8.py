@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from prime_ops.backends import import_backend
+from prime_ops.grouped import check_offsets_meta, check_offsets_values
 
 __all__ = [
     "BLOCK",
@@ -119,31 +120,6 @@ def _check_multiple(name: str, size: int, what: str) -> None:
         )
 
 
-def _check_offsets_meta(offsets: torch.Tensor, groups: int) -> None:
-    if offsets.dtype != torch.int32 or offsets.dim() != 1 or offsets.shape[0] != groups:
-        raise ValueError(
-            f"offsets must be a 1-D int32 tensor of {groups} cumulative row ends (one per group "
-            f"of weight), got dtype {offsets.dtype} and shape {tuple(offsets.shape)}"
-        )
-
-
-def _check_offsets_values(offsets: torch.Tensor, rows: int) -> None:
-    """Offsets must be non-decreasing, non-negative and end at the row count.
-
-    Checked on the host for CPU tensors; on CUDA the check is queued on the device
-    (``torch._assert_async``), so it costs no host sync and fails at the next synchronization.
-    """
-    steps = torch.diff(offsets, prepend=offsets.new_zeros(1))
-    ok = (steps >= 0).all() & (offsets[-1] == rows)
-    if offsets.device.type != "cpu":
-        torch._assert_async(ok, "offsets must be non-decreasing and end at the row count of x")
-    elif not bool(ok):
-        raise ValueError(
-            f"offsets must be non-decreasing cumulative row ends that finish at the row count "
-            f"of x ({rows}), got {offsets.tolist()}"
-        )
-
-
 # --- quantized GEMMs ----------------------------------------------------------------------------
 
 
@@ -200,8 +176,8 @@ def grouped_fp8_gemm_nt(
     (m, k), (g, n) = a.shape, b.shape[:2]
     _check_scale("a_scale", a_scale, (m, _blocks(k)), "1x128 activation")
     _check_scale("b_scale", b_scale, (g, _blocks(n), _blocks(k)), "128x128 weight")
-    _check_offsets_meta(offsets, g)
-    _check_offsets_values(offsets, m)
+    check_offsets_meta(offsets, g)
+    check_offsets_values(offsets, m)
     if a.device.type == "cuda":
         return _deep_gemm_grouped_nt(a, a_scale, b, b_scale, offsets, out_dtype)
     out = a.new_empty(m, n, dtype=out_dtype)
@@ -307,7 +283,7 @@ def _check_grouped(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
         )
     _check_multiple("x", x.shape[1], "K (in features)")
     _check_multiple("weight", weight.shape[1], "N (out features)")
-    _check_offsets_meta(offsets, weight.shape[0])
+    check_offsets_meta(offsets, weight.shape[0])
 
 
 @torch.library.custom_op("prime_rl::grouped_fp8_gemm", mutates_args=())

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from prime_ops.backends import import_backend
-from prime_ops.fp8 import _check_offsets_meta, _check_offsets_values
+from prime_ops.grouped import check_offsets_meta, check_offsets_values
 
 __all__ = [
     "OP_NAMES",
@@ -104,7 +104,7 @@ def _check_grouped(x, weight, offsets) -> None:
         )
     if x.dtype != weight.dtype:
         raise TypeError(f"x and weight must share a dtype, got {x.dtype} and {weight.dtype}")
-    _check_offsets_meta(offsets, weight.shape[0])
+    check_offsets_meta(offsets, weight.shape[0])
 
 
 # --- reference kernels (CPU) --------------------------------------------------------------------
@@ -204,14 +204,14 @@ _linear.register_autograd(_linear_grad, setup_context=_linear_setup)
 @torch.library.custom_op("quack::prime_grouped_linear", mutates_args=(), device_types="cpu")
 def _grouped(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     _check_grouped(x, weight, offsets)
-    _check_offsets_values(offsets, x.shape[0])
+    check_offsets_values(offsets, x.shape[0])
     return _reference_grouped(x, weight, offsets, x.shape[0])
 
 
 @_grouped.register_kernel("cuda")
 def _(x, weight, offsets):
     _check_grouped(x, weight, offsets)
-    _check_offsets_values(offsets, x.shape[0])
+    check_offsets_values(offsets, x.shape[0])
     return _quack_grouped(x, weight, offsets)
 
 

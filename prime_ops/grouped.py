@@ -1,0 +1,37 @@
+"""The contiguous grouped layout shared by the grouped GEMM ops (FP8 and QuACK).
+
+Rows of ``x`` are sorted by group (expert); ``offsets`` is an int32 ``[G]`` tensor of cumulative
+row ends, as ``torch._grouped_mm`` takes it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["check_offsets_meta", "check_offsets_values"]
+
+
+def check_offsets_meta(offsets: torch.Tensor, groups: int) -> None:
+    """Dtype and shape only: safe in fakes, where values are unknown."""
+    if offsets.dtype != torch.int32 or offsets.dim() != 1 or offsets.shape[0] != groups:
+        raise ValueError(
+            f"offsets must be a 1-D int32 tensor of {groups} cumulative row ends (one per group "
+            f"of weight), got dtype {offsets.dtype} and shape {tuple(offsets.shape)}"
+        )
+
+
+def check_offsets_values(offsets: torch.Tensor, rows: int) -> None:
+    """Offsets must be non-decreasing, non-negative and end at the row count.
+
+    Checked on the host for CPU tensors; on CUDA the check is queued on the device
+    (``torch._assert_async``), so it costs no host sync and fails at the next synchronization.
+    """
+    steps = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    ok = (steps >= 0).all() & (offsets[-1] == rows)
+    if offsets.device.type != "cpu":
+        torch._assert_async(ok, "offsets must be non-decreasing and end at the row count of x")
+    elif not bool(ok):
+        raise ValueError(
+            f"offsets must be non-decreasing cumulative row ends that finish at the row count "
+            f"of x ({rows}), got {offsets.tolist()}"
+        )
