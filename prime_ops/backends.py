@@ -17,18 +17,21 @@ class BackendUnavailable(ImportError):
     """A kernel library an op needs is not installed (or does not import on this machine)."""
 
 
-def import_backend(module: str, *, extra: str, build: str | None = None) -> ModuleType:
-    """Import ``module`` or raise :class:`BackendUnavailable` naming the pip extra to install.
+def import_backend(module: str, *, extra: str | None, build: str | None = None) -> ModuleType:
+    """Import ``module`` or raise :class:`BackendUnavailable` saying how to install it.
 
-    ``build`` is the documented build step for source-built libraries (DeepEP, DeepGEMM, FA3).
-    Modules already in ``sys.modules`` (tests' stand-ins included) are returned as they are.
+    ``extra`` is the pip extra that installs it; ``build`` is the documented build step for
+    source-built libraries (DeepEP, DeepGEMM, FA3). A library with nothing on the package index
+    passes ``extra=None``, so the message gives only the build step. Modules already in
+    ``sys.modules`` (tests' stand-ins included) are returned as they are.
     """
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        how = f"pip install 'prime-ops[{extra}]'"
+        steps = [f"pip install 'prime-ops[{extra}]'"] if extra else []
         if build:
-            how += f"; {build}"
+            steps.append(build)
+        how = "; ".join(steps)
         raise BackendUnavailable(
             f"{module!r} is needed for this call but could not be imported ({exc}). "
             f"Install it with: {how}"
