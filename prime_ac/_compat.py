@@ -1,0 +1,157 @@
+"""Every private torch name prime_ac uses, each behind a feature test, in one place.
+
+prime_ac supports torch 2.9 up to the newest release. Each name below says which torch versions
+need it and which public API would replace it; the rest of the package imports from here only.
+Nothing here changes torch's global state except :func:`redirect_hops`, which registers rules for
+prime_ac's own mode classes (keyed by those classes, so no other mode sees them).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as _checkpoint
+
+# TorchDispatchMode is public in practice but lives in a private module (2.9-2.14); the pytree
+# helpers likewise. Public replacement: torch.utils.pytree for the helpers (2.7+ has a public
+# module), none yet for the mode class.
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+__all__ = [
+    "SAC_IGNORED_OPS",
+    "HigherOrderOperator",
+    "OpOverload",
+    "TorchDispatchMode",
+    "detach",
+    "redirect_hops",
+    "sac_context",
+    "schema_is_mutable",
+    "storage_id",
+    "tree_flatten",
+    "tree_leaves",
+    "tree_unflatten",
+    "version",
+    "written_arguments",
+]
+
+# torch.ops.<ns>.<op>.<overload> objects. Public replacement: none (the types live in torch._ops
+# in every release 2.9-2.14).
+OpOverload = torch._ops.OpOverload
+HigherOrderOperator = torch._ops.HigherOrderOperator
+
+# Operators torch's own selective checkpointing lets through uncounted (detach, which autograd
+# inserts a different number of times in forward and recompute; metadata queries). A module
+# constant without underscore, but undocumented: present 2.4-2.14. Fallback: detach alone.
+SAC_IGNORED_OPS: frozenset = frozenset(
+    getattr(_checkpoint, "SAC_IGNORED_OPS", {torch.ops.aten.detach.default})
+)
+
+# torch's own SAC mode classes. prime_ac never subclasses or instantiates them: it only asks which
+# higher-order operators have a rule registered for them, to register the same redirect for its
+# own modes (the dispatcher looks rules up by exact mode type). Same names 2.4-2.14.
+_TORCH_SAC_MODES = tuple(
+    cls
+    for cls in (
+        getattr(_checkpoint, "_CachingTorchDispatchMode", None),
+        getattr(_checkpoint, "_CachedTorchDispatchMode", None),
+    )
+    if cls is not None
+)
+
+# The registry of higher-order operators by name (torch._ops._higher_order_ops, 2.1-2.14) and each
+# one's per-mode rules (python_key_table). Public replacement: none.
+_HOP_REGISTRY: dict[str, Any] = getattr(torch._ops, "_higher_order_ops", {})
+_redirected: dict[type, int] = {}
+
+
+def redirect_hops(mode_class: type) -> None:
+    """Let ``mode_class`` handle every higher-order operator torch's SAC modes handle.
+
+    torch registers, per such operator, ``hop.py_impl(mode)(lambda mode, *a, **k:
+    mode.__torch_dispatch__(hop, [], a, k))`` for its two SAC modes; the same rule is registered
+    here for ``mode_class``. Operators imported later are picked up on the next call (cheap when
+    the registry did not grow). Global because torch's registry is.
+    """
+    size = len(_HOP_REGISTRY)
+    if _redirected.get(mode_class) == size:
+        return
+    for hop in list(_HOP_REGISTRY.values()):
+        table = getattr(hop, "python_key_table", {})
+        if mode_class in table or not any(m in table for m in _TORCH_SAC_MODES):
+            continue
+        hop.py_impl(mode_class)(_redirect(hop))
+    _redirected[mode_class] = size
+
+
+def _redirect(hop: Any):
+    def rule(mode: Any, *args: Any, **kwargs: Any) -> Any:
+        return mode.__torch_dispatch__(hop, [], args, kwargs)
+
+    return rule
+
+
+# Detaching a kept output below autograd with the ADInplaceOrView key re-enabled, so a view keeps
+# sharing its base's version counter and a cached view comes back without autograd metadata
+# (what torch's own SAC does, 2.4-2.14). Public replacement: none.
+_ad_inplace_or_view = torch._C.DispatchKey.ADInplaceOrView
+_exclude_key_guard = torch._C._SetExcludeDispatchKeyGuard
+
+
+def detach(t: torch.Tensor) -> torch.Tensor:
+    """A detached alias of ``t`` that shares its version counter."""
+    with _exclude_key_guard(_ad_inplace_or_view, False):
+        return t.detach()
+
+
+def storage_id(t: torch.Tensor) -> int | None:
+    """Identity of ``t``'s storage (views share it), or None for tensors without one.
+
+    ``UntypedStorage._cdata`` is the StorageImpl address, stable while the storage lives (what
+    torch's own StorageWeakRef hashes; 2.0-2.14). Public replacement: none that is this cheap.
+    """
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):  # sparse, wrapper subclasses without storage
+        return None
+
+
+def version(t: torch.Tensor) -> int:
+    """``t``'s in-place version counter (Tensor._version, every release)."""
+    return t._version
+
+
+# SelectiveCheckpointContext gained ``op_output`` in torch 2.11; older releases take only
+# ``is_recompute``. Public class, version-dependent signature.
+_SAC_CONTEXT_HAS_OUTPUT = (
+    "op_output" in inspect.signature(_checkpoint.SelectiveCheckpointContext).parameters
+)
+
+
+def sac_context(out: Any) -> Any:
+    """The context a user policy callable receives for a forward call that returned ``out``."""
+    if _SAC_CONTEXT_HAS_OUTPUT:
+        return _checkpoint.SelectiveCheckpointContext(is_recompute=False, op_output=out)
+    return _checkpoint.SelectiveCheckpointContext(is_recompute=False)
+
+
+def written_arguments(op: Any) -> tuple[tuple[int, str], ...] | None:
+    """``(position, name)`` of each argument ``op`` writes, ``()`` when it writes none.
+
+    None means "unknown": a higher-order operator that mutates its inputs
+    (``triton_kernel_wrapper_mutation``), whose every tensor argument counts as written.
+    """
+    if isinstance(op, OpOverload):
+        return tuple(
+            (i, a.name)
+            for i, a in enumerate(op._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+    return None if "mutation" in getattr(op, "_name", "") else ()
+
+
+def schema_is_mutable(op: Any) -> bool:
+    """True when ``op``'s schema writes an argument (OpOverload._schema, every release)."""
+    return isinstance(op, OpOverload) and op._schema.is_mutable

@@ -1,0 +1,423 @@
+"""prime_ac's own selective-checkpoint contexts: one mode keeps in the forward, one replays.
+
+``torch.utils.checkpoint.checkpoint(fn, use_reentrant=False, context_fn=...)`` runs the forward
+under the first mode returned by ``context_fn`` and the recompute under the second. prime_ac
+writes both (instead of subclassing torch's private ones) so that they behave the same on every
+torch release and cost as little as a Python dispatch mode can:
+
+- The decision for an operator overload is computed once per block and stored as a small action
+  code; the per-call work is one dict lookup. Replayed operators are neither counted nor stored:
+  the recompute derives the same code and just runs them.
+- Kept results are stored per ``(operator, call index)``, counting only the calls of operators
+  that can be kept. The recompute returns a kept result, runs a call marked for replay, and runs an
+  extra call of an operator that kept nothing; an extra call of an operator that kept results
+  would hand the wrong results to the recompute and raises :class:`ReplayMismatchError`. Missing
+  calls are fine (the recompute stops early). A region that kept nothing recomputes with no mode
+  at all, exactly as plain checkpointing.
+- Copy on write: when an operator writes in place to a storage that holds a kept result (views
+  included), the kept result is replaced by a copy taken just before the write, so the recompute
+  receives the value the forward saw. Only writes that really hit a kept result copy anything. A
+  kept result modified where no mode sees it (after the block returned) cannot be recovered and
+  raises :class:`KeptOutputMutatedError` in the backward.
+- Higher-order operators (flex_attention, invoke_subgraph, ...) reach these modes through the
+  same redirect torch registers for its own SAC modes.
+
+Under ``torch.compile`` the checkpoint is traced once and the partitioner reads each node's
+policy tag; there the contexts are torch's own ``create_selective_checkpoint_contexts`` with the
+same policy, so compiled and eager decisions are the same and nothing runs per operator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import (
+    CheckpointError,
+    CheckpointPolicy,
+    create_selective_checkpoint_contexts,
+)
+
+from prime_ac import _compat
+from prime_ac.policy import (
+    HOST_SYNC,
+    KEPT,
+    MANDATORY,
+    Mode,
+    OperatorPolicy,
+    make_policy,
+    reads_device_into_host,
+)
+
+__all__ = [
+    "KeptOutputMutatedError",
+    "RegionCache",
+    "ReplayMismatchError",
+    "checkpoint_contexts",
+    "context_fn",
+]
+
+# FSDP2 runs its hooks under record_function; a recompute can emit a different number of these
+# markers than the forward did. They carry no data: both modes let them through uncounted.
+_PROFILER_OPS = frozenset(
+    {
+        torch.ops.profiler._record_function_enter.default,
+        torch.ops.profiler._record_function_enter_new.default,
+        torch.ops.profiler._record_function_exit._RecordFunction,
+    }
+)
+IGNORED_OPS = _compat.SAC_IGNORED_OPS | _PROFILER_OPS
+
+# Action codes, in the order the hot paths test them. Codes up to RUN just run in the forward,
+# codes up to WRITE just run in the recompute.
+PASS = 0  # ignored (detach, profiler markers): uncounted, never kept
+RUN = 1  # replayed
+WRITE = 2  # replayed, writes an argument: copy kept results it would overwrite
+KEEP = 3  # kept, every call
+KEEP_WRITE = 4  # kept and writes an argument (mandatory side effects)
+SYNC = 5  # kept when the call reads a device tensor into host memory
+PLANNED = 6  # replayed except the calls a budget plan keeps (by call index)
+CALL = 7  # a user policy callable decides per call
+
+_SAVES = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE, True)
+_CONSUMED = object()
+_MISSING = object()
+
+
+class ReplayMismatchError(CheckpointError):
+    """The recompute of a checkpointed block would receive the wrong kept results."""
+
+
+class KeptOutputMutatedError(CheckpointError):
+    """A kept result was modified in place where prime_ac could not copy it first."""
+
+
+class Rules:
+    """The action code of each operator overload for one policy, computed once per overload.
+
+    ``plan`` maps an operator to the call indices a budget plan keeps (``prime_ac.budget``).
+    """
+
+    def __init__(self, policy: Any, plan: Mapping[Any, frozenset[int]] | None = None):
+        self.policy = policy
+        self.plan = dict(plan or {})
+        self.actions: dict[Any, int] = {}
+        self.writes: dict[Any, tuple[tuple[int, str], ...] | None] = {}
+        self._classify = policy.classify if isinstance(policy, OperatorPolicy) else None
+
+    def action(self, op: Any) -> int:
+        code = self.actions.get(op)
+        if code is None:
+            code = self.actions[op] = self._decide(op)
+        return code
+
+    def _decide(self, op: Any) -> int:
+        if op in IGNORED_OPS:
+            return PASS
+        written = _compat.written_arguments(op)
+        writes = written != ()
+        if writes:
+            self.writes[op] = written
+        if self._classify is None:
+            return CALL
+        decision = self._classify(op)
+        if decision in (MANDATORY, KEPT):
+            return KEEP_WRITE if writes else KEEP
+        if decision == HOST_SYNC:
+            return SYNC
+        if op in self.plan and not writes:
+            return PLANNED
+        return WRITE if writes else RUN
+
+
+class RegionCache:
+    """The kept results of one checkpointed region, shared by its two modes.
+
+    ``entries[op][index]`` is ``[value, spec, versions]``: a detached tensor, its tree spec
+    (None for a single tensor) and the version counter(s) it had when kept. ``copies`` and
+    ``copied_bytes`` count the copy-on-write copies.
+    """
+
+    __slots__ = (
+        "copied_bytes",
+        "copies",
+        "entries",
+        "forward_calls",
+        "held",
+        "hits",
+        "name",
+        "stored",
+    )
+
+    def __init__(self, name: str):
+        self.name = name
+        self.entries: dict[Any, dict[int, Any]] = {}
+        self.forward_calls: dict[Any, int] = {}  # counted calls per operator in the forward
+        self.held: dict[int, list[tuple[Any, int]]] = {}  # storage id -> entries holding it
+        self.stored = 0  # kept results stored by the forward
+        self.hits = 0  # kept results handed to the recompute
+        self.copies = 0
+        self.copied_bytes = 0
+
+    def keep(self, op: Any, index: int, out: Any) -> None:
+        if isinstance(out, torch.Tensor):
+            value = _compat.detach(out)
+            entry = [value, None, _compat.version(value)]
+            self._hold(value, op, index)
+        else:
+            leaves, spec = _compat.tree_flatten(out)
+            leaves = [_compat.detach(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+            entry = [leaves, spec, [_version_or_none(x) for x in leaves]]
+            for leaf in leaves:
+                if isinstance(leaf, torch.Tensor):
+                    self._hold(leaf, op, index)
+        self.entries.setdefault(op, {})[index] = entry
+        self.stored += 1
+
+    def _hold(self, t: torch.Tensor, op: Any, index: int) -> None:
+        sid = _compat.storage_id(t)
+        if sid is not None:
+            self.held.setdefault(sid, []).append((op, index))
+
+    def copy_before_write(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Replace every kept result sharing a storage with ``tensors`` by a copy of it."""
+        for t in tensors:
+            sid = _compat.storage_id(t)
+            for op, index in self.held.pop(sid, ()):
+                entry = self.entries[op][index]
+                if entry[1] is None:
+                    entry[0] = self._copy(entry[0], op, index)
+                    entry[2] = 0
+                    continue
+                for i, leaf in enumerate(entry[0]):
+                    if isinstance(leaf, torch.Tensor) and _compat.storage_id(leaf) == sid:
+                        entry[0][i] = self._copy(leaf, op, index)
+                        entry[2][i] = 0
+
+    def _copy(self, t: torch.Tensor, op: Any, index: int) -> torch.Tensor:
+        copy = t.clone()
+        if copy.stride() != t.stride():  # overlapping or gapped layout: copy the whole storage
+            storage = t.untyped_storage()
+            copy = torch.empty(0, dtype=t.dtype, device=t.device)
+            copy.set_(storage.clone(), t.storage_offset(), t.size(), t.stride())
+        self.copies += 1
+        self.copied_bytes += copy.untyped_storage().nbytes()
+        self._hold(copy, op, index)
+        return copy
+
+    def take(self, op: Any, index: int, entry: Any) -> Any:
+        """The kept result for the recompute, checked against later in-place writes."""
+        value, spec, versions = entry
+        if spec is None:
+            if _compat.version(value) != versions:
+                raise self._mutated(op, index)
+            return value
+        for leaf, seen in zip(value, versions, strict=True):
+            if seen is not None and _compat.version(leaf) != seen:
+                raise self._mutated(op, index)
+        return _compat.tree_unflatten(value, spec)
+
+    def _mutated(self, op: Any, index: int) -> KeptOutputMutatedError:
+        return KeptOutputMutatedError(
+            f"prime_ac: {self.name} keeps the result of {op} (call #{index + 1}) for its "
+            "backward, and that result was modified in place after the block's forward returned "
+            "(or by code no dispatch mode sees), so the value the backward needs is gone. Clone "
+            "the block's output before writing to it in place (out = out.clone()), or leave "
+            f"{op} out of the targets (mandatory operators cannot be left out)."
+        )
+
+    def mismatch(self, op: Any, index: int) -> ReplayMismatchError:
+        ran = self.forward_calls.get(op, 0)
+        return ReplayMismatchError(
+            f"prime_ac: the recompute of {self.name} called {op} a {_ordinal(index + 1)} time, "
+            f"but its forward called it {ran} time(s) and kept the results: the recompute would "
+            "receive the wrong kept results. The block must call this operator the same way in "
+            "forward and recompute. Common causes: state filled during the forward that the "
+            "recompute sees again, such as a KV cache (Hugging Face models called with "
+            "use_cache=True in training append to it again in the recompute: pass "
+            "use_cache=False), buffers created lazily on the first forward (create them before "
+            "the first checkpointed forward), and data-dependent control flow or global state "
+            "that changed between forward and backward."
+        )
+
+
+def _version_or_none(x: Any) -> int | None:
+    return _compat.version(x) if isinstance(x, torch.Tensor) else None
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def _written_tensors(written: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    if written is None:  # unknown: every tensor argument
+        return [t for t in _compat.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    tensors = []
+    for position, name in written:
+        value = args[position] if position < len(args) else kwargs.get(name)
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+        elif isinstance(value, (list, tuple)):
+            tensors.extend(t for t in value if isinstance(t, torch.Tensor))
+    return tensors
+
+
+class KeepMode(_compat.TorchDispatchMode):
+    """The forward mode: runs every operator, keeps what the rules keep."""
+
+    def __init__(self, cache: RegionCache, rules: Rules):
+        super().__init__()
+        self.cache, self.rules, self.actions = cache, rules, rules.actions
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __enter__(self):
+        _compat.redirect_hops(type(self))
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any):
+        self.cache.held = {}  # only writes inside the forward are copied
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        action = self.actions.get(func)
+        if action is None:
+            action = self.rules.action(func)
+        if action <= RUN:
+            return func(*args, **kwargs) if kwargs else func(*args)
+        return self._dispatch(func, action, args, kwargs or {})
+
+    def _dispatch(self, func: Any, action: int, args: tuple, kwargs: dict) -> Any:
+        cache = self.cache
+        if cache.held and func in self.rules.writes:
+            cache.copy_before_write(_written_tensors(self.rules.writes[func], args, kwargs))
+        out = func(*args, **kwargs)
+        if action == WRITE:
+            return out
+        if action == SYNC and not reads_device_into_host(func, args, kwargs):
+            return out
+        index = cache.forward_calls.get(func, 0)
+        cache.forward_calls[func] = index + 1
+        if action == PLANNED:
+            if index not in self.rules.plan[func]:
+                return out
+        elif action == CALL:
+            decision = self.rules.policy(_compat.sac_context(out), func, *args, **kwargs)
+            if decision not in _SAVES:
+                return out
+        cache.keep(func, index, out)
+        return out
+
+
+class ReplayMode(_compat.TorchDispatchMode):
+    """The recompute mode: hands kept results back, runs everything else."""
+
+    record = False  # True: enter even when nothing was kept (the audit counts replays)
+
+    def __init__(self, cache: RegionCache, rules: Rules):
+        super().__init__()
+        self.cache, self.rules, self.actions = cache, rules, rules.actions
+        self.calls: dict[Any, int] = {}
+        self._entered = False
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __enter__(self):
+        self.calls.clear()  # a second backward finds consumed entries, not shifted indices
+        self._entered = bool(self.cache.entries) or self.record
+        if not self._entered:  # nothing kept: recompute exactly as plain checkpointing
+            return self
+        _compat.redirect_hops(type(self))
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any):
+        if self._entered:
+            return super().__exit__(*exc)
+        return None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        action = self.actions.get(func)
+        if action is None:
+            action = self.rules.action(func)
+        if action <= WRITE:
+            return func(*args, **kwargs) if kwargs else func(*args)
+        return self._dispatch(func, action, args, kwargs or {})
+
+    def _dispatch(self, func: Any, action: int, args: tuple, kwargs: dict) -> Any:
+        if action == SYNC and not reads_device_into_host(func, args, kwargs):
+            return func(*args, **kwargs)
+        cache = self.cache
+        index = self.calls.get(func, 0)
+        self.calls[func] = index + 1
+        kept = cache.entries.get(func)
+        if kept is None:  # this operator kept nothing here: an extra call changes nothing
+            return func(*args, **kwargs)
+        entry = kept.get(index, _MISSING)
+        if entry is _MISSING:
+            if index < cache.forward_calls.get(func, 0):  # marked for replay
+                return func(*args, **kwargs)
+            raise cache.mismatch(func, index)
+        if entry is _CONSUMED:
+            raise CheckpointError(
+                f"prime_ac: backward ran a second time through {cache.name}, whose kept results "
+                "were handed to the first backward. Selective checkpointing allows one backward "
+                "per forward (as torch's own does); use mode='full' with no kept operators, or "
+                "run the forward again."
+            )
+        kept[index] = _CONSUMED
+        cache.hits += 1
+        return cache.take(func, index, entry)
+
+
+def checkpoint_contexts(
+    rules: Rules, name: str, *, modes: tuple[type, type] = (KeepMode, ReplayMode)
+) -> Callable[[], tuple[Any, Any]]:
+    """A ``context_fn`` applying ``rules`` (one :class:`RegionCache` per region).
+
+    Under torch.compile it returns torch's own contexts with the same policy (see the module
+    docstring). ``modes`` lets the audit substitute recording subclasses.
+    """
+    keep_mode, replay_mode = modes
+
+    def contexts() -> tuple[Any, Any]:
+        if torch.compiler.is_compiling():
+            return create_selective_checkpoint_contexts(rules.policy)
+        cache = RegionCache(name)
+        return keep_mode(cache, rules), replay_mode(cache, rules)
+
+    return contexts
+
+
+def context_fn(
+    mode: Mode = "selective",
+    targets: Iterable[str] | None = None,
+    mandatory: Iterable[str] = (),
+    *,
+    policy: OperatorPolicy | Callable[..., Any] | None = None,
+    name: str = "<checkpointed region>",
+) -> Callable[[], tuple[Any, Any]]:
+    """What ``torch.utils.checkpoint.checkpoint(..., context_fn=...)`` takes.
+
+    For trainers that wrap regions themselves. ``policy`` is an :class:`OperatorPolicy` (built
+    from ``mode``/``targets``/``mandatory`` when None) or any torch SAC policy callable
+    ``(ctx, op, *args, **kwargs) -> CheckpointPolicy``, called once per forward operator call.
+    ``name`` appears in errors.
+
+    Example::
+
+        from torch.utils.checkpoint import checkpoint
+        out = checkpoint(block, x, use_reentrant=False, context_fn=prime_ac.context_fn("selective"))
+    """
+    policy = make_policy(mode, targets, mandatory) if policy is None else policy
+    if not callable(policy):
+        raise TypeError(
+            f"policy={policy!r} is not callable: pass prime_ac.make_policy(...) or a function "
+            "(ctx, op, *args, **kwargs) -> torch.utils.checkpoint.CheckpointPolicy"
+        )
+    return checkpoint_contexts(Rules(policy), name)
