@@ -123,8 +123,11 @@ def test_sdpa_matches_naive(name, dtype):
         *leaves, cu_q, cu_k, causal=causal, scale=ref_scale, window=window, softcap=softcap
     )
     tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    if dtype == torch.float64:
+        tol = dict(atol=1e-12, rtol=1e-12)
     assert out.dtype == dtype and out.shape == ref_out.shape
-    assert lse.dtype == torch.float32 and lse.shape == (q.shape[1], q.shape[0])
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    assert lse.dtype == lse_dtype and lse.shape == (q.shape[1], q.shape[0])
     torch.testing.assert_close(out.double(), ref_out, **tol)
     assert torch.equal(lse.isneginf(), ref_lse.isneginf())
     torch.testing.assert_close(lse.double(), ref_lse, **tol)
@@ -210,10 +213,10 @@ def test_invalid_arguments_raise_before_launch(overrides, message):
 @pytest.mark.parametrize(
     ("backend", "d", "dv", "message"),
     [
-        ("fa2", 264, 264, r"multiple of 8 in \[8, 256\]; got 264"),
+        ("fa2", 264, 264, r"'fa2' cannot run head dims \(q/k 264, v 264\): .* 1 to 256"),
         ("fa2", 64, 32, "v's head dim equal to q's"),
-        ("fa3", 12, 12, r"multiple of 8 in \[8, 256\]; got 12"),
-        ("fa4", 64, 512, r"head dim of v must be a multiple of 8 in \[8, 256\]"),
+        ("fa3", 12, 12, "'fa3' .* positive multiples of 8"),
+        ("fa3", 128, 96, r"q/k in \(128, 192\] with v in \(96, 128\]"),
         ("fa2", 64, 64, "takes"),  # float32 is not a flash dtype
     ],
 )
@@ -225,6 +228,118 @@ def test_backend_limits_checked_on_fake_cuda(backend, d, dv, message):
         v = torch.empty(8, 2, dv, dtype=dtype, device="cuda")
         cu = torch.empty(3, dtype=torch.int32, device="cuda")
         varlen_attention(q, kv, v, cu, cu, 8, 8, backend=backend)
+
+
+# (q/k head dim, v head dim) -> accepted, written out from each library's rule (see the
+# docstrings of flash.fa*_head_dims for the source lines), not computed by the code under test.
+FA3_FORWARD = {
+    (64, 64): True,
+    (256, 256): True,
+    (264, 264): False,  # q/k above 256
+    (12, 12): False,  # not a multiple of 8
+    (192, 128): True,  # q/k in (128, 192], v in (96, 128]
+    (136, 104): True,
+    (128, 96): False,  # q/k 128 is not in (128, 192]
+    (192, 96): False,  # v 96 is not in (96, 128]
+    (200, 128): False,
+    (64, 512): True,  # q/k <= 64, v <= 512
+    (32, 8): True,
+    (72, 512): False,
+    (64, 520): False,
+    (128, 64): False,
+}
+FA4_SM100 = {
+    (128, 128): True,
+    (8, 8): True,
+    (64, 128): True,
+    (136, 136): False,  # 129-255 refused ...
+    (160, 160): False,
+    (192, 192): False,
+    (255, 255): False,
+    (192, 128): True,  # ... except (192, 128)
+    (256, 256): True,  # ... and (256, 256)
+    (256, 128): False,
+    (64, 512): True,
+    (512, 512): True,
+    (128, 512): False,
+    (12, 12): False,
+}
+FA4_SM90 = {
+    (160, 160): True,
+    (256, 256): True,
+    (192, 128): True,
+    (264, 264): False,
+    (12, 12): False,
+}
+
+
+@pytest.mark.parametrize(
+    ("check", "arch", "table"),
+    [
+        (flash.fa3_head_dims, 90, FA3_FORWARD),
+        (flash.fa4_head_dims, 100, FA4_SM100),
+        (flash.fa4_head_dims, 110, FA4_SM100),
+        (flash.fa4_head_dims, 90, FA4_SM90),
+    ],
+)
+def test_head_dim_limits_follow_the_libraries(check, arch, table):
+    for (d, dv), accepted in table.items():
+        if accepted:
+            check(d, dv, arch, False)
+        else:
+            with pytest.raises(ValueError, match=r"backend 'fa[34]' cannot run head dims"):
+                check(d, dv, arch, False)
+
+
+def test_head_dim_limits_of_backward_and_arch():
+    flash.fa3_head_dims(64, 512, 90, False)
+    with pytest.raises(ValueError, match="FA3's backward supports head dims up to 256"):
+        flash.fa3_head_dims(64, 512, 90, True)
+    with pytest.raises(ValueError, match="only on Hopper"):
+        flash.fa3_head_dims(192, 128, 80, False)
+    flash.fa3_head_dims(128, 128, 80, False)
+    flash.fa3_head_dims(192, 128, None, False)  # arch unknown while tracing: not refused
+    with pytest.raises(ValueError, match="no backward on SM8x"):
+        flash.fa4_head_dims(128, 128, 80, True)
+    flash.fa4_head_dims(160, 160, None, True)
+    flash.fa2_head_dims(12, 12, 80, True)  # padded to 16 by the adapter
+
+
+def test_fa4_head_dims_refused_on_fake_cuda_for_the_device_arch(monkeypatch):
+    monkeypatch.setenv("FLASH_ATTENTION_ARCH", "sm_100")
+    with FakeTensorMode():
+        q = torch.empty(8, 2, 160, dtype=torch.bfloat16, device="cuda")
+        cu = torch.empty(3, dtype=torch.int32, device="cuda")
+        with pytest.raises(ValueError, match=r"'fa4' .* SM100 .* 129-255"):
+            varlen_attention(q, q, q, cu, cu, 8, 8, backend="fa4")
+        monkeypatch.setenv("FLASH_ATTENTION_ARCH", "sm_90")
+        out, _ = varlen_attention(q, q, q, cu, cu, 8, 8, backend="fa4")
+        assert out.shape == q.shape
+
+
+def test_mixed_devices_are_refused_by_forward_and_backward():
+    """Offsets on meta with q on the CPU would dispatch to the fake and return garbage."""
+    q, k, v, cu, _, n, _ = packed([3, 5], h=2, hkv=1, d=8)
+    meta_cu = cu.to("meta")
+    with pytest.raises(ValueError, match="cu_seqlens_q on meta"):
+        varlen_attention(q, k, v, meta_cu, meta_cu, n, n)
+    out, lse = varlen_attention(q, k, v, cu, cu, n, n)
+    bwd = torch.ops.prime_rl_attn.sdpa_varlen_backward
+    args = (cu, cu, n, n, False, 0.3, -1, -1, 0.0)
+    with pytest.raises(ValueError, match="dout on meta"):
+        bwd(out.detach().to("meta"), q, k, v, out.detach(), lse, *args)
+    with pytest.raises(ValueError, match=r"lse must have shape \(2, 8\)"):
+        bwd(out.detach(), q, k, v, out.detach(), lse.t(), *args)
+
+
+def test_op_names_are_prime_rls():
+    """prime-rl registers and its users' target lists name ``flash_attn_{2,3,4}_varlen``."""
+    ops = torch.ops.prime_rl_attn
+    for name in ("sdpa", "flash_attn_2", "flash_attn_3", "flash_attn_4"):
+        for suffix in ("_varlen", "_varlen_backward"):
+            assert hasattr(ops, name + suffix), name + suffix
+    for old in ("fa2_varlen", "fa3_varlen", "fa4_varlen"):
+        assert not hasattr(ops, old)
 
 
 # --------------------------------------------------------------------------- fakes
@@ -242,11 +357,16 @@ def _block_backend_imports(monkeypatch):
         monkeypatch.setitem(sys.modules, name, None)  # any import attempt would now raise
 
 
+def _ops(backend):
+    op = BACKENDS[backend].op
+    ops = torch.ops.prime_rl_attn
+    return getattr(ops, f"{op}_varlen"), getattr(ops, f"{op}_varlen_backward")
+
+
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
 def test_fakes_on_meta_give_shapes_dtypes_strides(backend, monkeypatch):
     _block_backend_imports(monkeypatch)
-    fwd = getattr(torch.ops.prime_rl_attn, f"{backend}_varlen")
-    bwd = getattr(torch.ops.prime_rl_attn, f"{backend}_varlen_backward")
+    fwd, bwd = _ops(backend)
     q = torch.empty(40, 8, 64, dtype=torch.bfloat16, device="meta")
     k = torch.empty(56, 2, 64, dtype=torch.bfloat16, device="meta")
     v = torch.empty(56, 2, 64, dtype=torch.bfloat16, device="meta")
@@ -268,7 +388,7 @@ def test_fakes_on_meta_give_shapes_dtypes_strides(backend, monkeypatch):
 @pytest.mark.parametrize("backend", ["fa2", "fa3", "fa4"])
 def test_front_under_fake_cuda_never_imports_backend(backend, monkeypatch):
     _block_backend_imports(monkeypatch)
-    bwd = getattr(torch.ops.prime_rl_attn, f"{backend}_varlen_backward")
+    _, bwd = _ops(backend)
     with FakeTensorMode():
         q = torch.empty(32, 4, 128, dtype=torch.float16, device="cuda")
         k = torch.empty(32, 1, 128, dtype=torch.float16, device="cuda")
@@ -283,21 +403,25 @@ def test_front_under_fake_cuda_never_imports_backend(backend, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("adapter", "modules", "extra"),
+    ("adapter", "modules", "how"),
     [
-        (flash.fa2_forward, ["flash_attn", "flash_attn.flash_attn_interface"], "fa2"),
-        (flash.fa3_forward, ["flash_attn_3", "flash_attn_3._C"], "fa3"),
-        (flash.fa4_forward, ["flash_attn", "flash_attn.cute", "flash_attn.cute.interface"], "fa4"),
+        (flash.fa2_forward, ["flash_attn", "flash_attn.flash_attn_interface"], r"prime-ops\[fa2\]"),
+        # FA3 has nothing on the package index: the message gives the real build step only.
+        (flash.fa3_forward, ["flash_attn_3", "flash_attn_3._C"], r"with: FA3 has no .*/hopper"),
+        (
+            flash.fa4_forward,
+            ["flash_attn", "flash_attn.cute", "flash_attn.cute.interface"],
+            r"prime-ops\[fa4\]",
+        ),
     ],
 )
-def test_missing_backend_names_the_extra(adapter, modules, extra, monkeypatch):
+def test_missing_backend_says_how_to_install(adapter, modules, how, monkeypatch):
     for name in modules:
         monkeypatch.setitem(sys.modules, name, None)
     q, k, v, cu, _, n, _ = packed([4], h=1, hkv=1, d=8)
-    with pytest.raises(prime_ops.BackendUnavailable, match=rf"prime-ops\[{extra}\]") as info:
+    with pytest.raises(prime_ops.BackendUnavailable, match=how) as info:
         adapter(q, k, v, cu, cu, n, n, False, 0.5, -1, -1, 0.0)
-    if extra == "fa3":
-        assert "hopper" in str(info.value)
+    assert "prime-ops[fa3]" not in str(info.value)
 
 
 # --------------------------------------------------------------------------- adapters
@@ -356,6 +480,13 @@ def _fa2_standin(recorder):
         zero_tensors=False,
     ):
         recorder.record("fwd", dict(locals()))
+        heads, heads_k, head_size = q.shape[1], k.shape[1], q.shape[2]
+        if head_size % 8 or head_size > 256:  # flash_api.cpp mha_varlen_fwd's TORCH_CHECKs
+            raise RuntimeError("head_size must be a multiple of 8, at most 256")
+        if max_seqlen_q == 1 and heads > heads_k and window_size_left < 0 and window_size_right < 0:
+            # mha_varlen_fwd's seqlenq_ngroups_swapped path: reshape by batch size.
+            batch = cu_seqlens_q.shape[0] - 1
+            q.reshape(batch, heads_k, heads // heads_k, head_size)
         out, lse = REFERENCE.forward(
             q,
             k,
@@ -459,6 +590,49 @@ def test_fa2_adapter_exact_call_and_lse_convention(monkeypatch):
         torch.testing.assert_close(ours, ref)
 
 
+def _install_fa2(monkeypatch, recorder):
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", _fa2_standin(recorder))
+
+
+@pytest.mark.parametrize(
+    ("lengths_q", "expected_max_q"),
+    [([1, 0, 1, 1], 2), ([0, 0, 0], 2), ([1, 1, 1], 1)],  # empty sequences: general path
+)
+def test_fa2_single_query_gqa_with_empty_sequences(lengths_q, expected_max_q, monkeypatch):
+    recorder = Recorder()
+    _install_fa2(monkeypatch, recorder)
+    q, k, v, cu_q, cu_k, _, max_k = packed(
+        lengths_q, lengths_k=[3, 2, 4, 1][: len(lengths_q)], h=4, hkv=2, d=8
+    )
+    q, k, v = (t.detach() for t in (q, k, v))
+    args = (q, k, v, cu_q, cu_k, 1, max_k, True, 0.3, -1, -1, 0.0)
+    out, lse = flash.fa2_forward(*args)
+    assert recorder.only("fwd")["max_seqlen_q"] == expected_max_q
+    ref_out, ref_lse = REFERENCE.forward(*args)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse)
+
+
+def test_fa2_pads_head_dims_to_a_multiple_of_8(monkeypatch):
+    recorder = Recorder()
+    _install_fa2(monkeypatch, recorder)
+    q, k, v, cu_q, cu_k, max_q, max_k = packed([5, 3], h=2, hkv=1, d=12)
+    q, k, v = (t.detach() for t in (q, k, v))
+    args = (q, k, v, cu_q, cu_k, max_q, max_k, True, 0.3, -1, -1, 0.0)
+    out, lse = flash.fa2_forward(*args)
+    assert recorder.only("fwd")["q"].shape[-1] == 16 and out.shape == (8, 2, 12)
+    assert out.is_contiguous()
+    dout = torch.randn_like(out)
+    grads = flash.fa2_backward(dout, q, k, v, out, lse, *args[3:])
+    assert recorder.only("bwd")["dout"].shape[-1] == 16
+    ref_out, _, ref_grads = _reference_grads(args, dout)
+    torch.testing.assert_close(out, ref_out)
+    for ours, ref in zip(grads, ref_grads, strict=True):
+        assert ours.shape == ref.shape and ours.is_contiguous()
+        torch.testing.assert_close(ours, ref)
+
+
 def _fa3_standin(recorder):
     """torch.ops.flash_attn_3.fwd / .bwd with their schema's parameter names and defaults."""
 
@@ -513,6 +687,8 @@ def _fa3_standin(recorder):
             window_size_right,
             softcap,
         )
+        if k.shape[0] == 0:  # flash_api.cpp mha_fwd: no kernel, out zeroed, lse filled with +inf
+            lse = torch.full_like(lse, INF)
         return out, lse, torch.empty(0), torch.empty(0)
 
     def bwd(
@@ -590,6 +766,15 @@ def test_fa3_adapter_exact_call_and_outputs(monkeypatch):
     assert call["deterministic"] is False and call["is_causal"] is False
     for ours, ref in zip((dq, dk, dv), _reference_grads(args, dout)[2], strict=True):
         torch.testing.assert_close(ours, ref)
+
+
+def test_fa3_lse_is_minus_inf_when_the_batch_has_no_keys(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn_3", types.ModuleType("flash_attn_3"))
+    monkeypatch.setitem(sys.modules, "flash_attn_3._C", types.ModuleType("flash_attn_3._C"))
+    monkeypatch.setattr(torch.ops, "flash_attn_3", _fa3_standin(Recorder()), raising=False)
+    q, k, v, cu_q, cu_k, max_q, _ = packed([3, 2], lengths_k=[0, 0], h=2, hkv=1, d=8)
+    out, lse = flash.fa3_forward(q, k, v, cu_q, cu_k, max_q, 0, False, 0.3, -1, -1, 0.0)
+    assert lse.isneginf().all() and (out == 0).all()
 
 
 def _fa4_standin(recorder):
@@ -721,6 +906,35 @@ def test_fa4_adapter_exact_call_window_and_backward_order(
     assert call["softcap"] == softcap and call["cu_seqlens_k"] is cu_k
     for ours, ref in zip((dq, dk, dv), _reference_grads(args, dout)[2], strict=True):
         torch.testing.assert_close(ours, ref)
+
+
+@pytest.fixture
+def flash_standins(monkeypatch):
+    """The three libraries replaced by their recording stand-ins, and the flash backends allowed
+    on CPU tensors, so the registered ``flash_attn_*`` ops run their real adapters on CPU."""
+    _install_fa2(monkeypatch, Recorder())
+    for name in ("flash_attn_3", "flash_attn_3._C", "flash_attn.cute"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setattr(torch.ops, "flash_attn_3", _fa3_standin(Recorder()), raising=False)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", _fa4_standin(Recorder()))
+    for name in ("fa2", "fa3", "fa4"):
+        spec = BACKENDS[name]
+        monkeypatch.setitem(BACKENDS, name, dataclasses.replace(spec, device_types=None))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["fa2", "fa3", "fa4"])
+def test_opcheck_flash_ops_through_standins(backend, flash_standins):
+    q, k, v, cu_q, cu_k, max_q, max_k = packed(
+        [5, 3, 6], lengths_k=[5, 4, 6], h=4, hkv=2, d=8, dtype=torch.bfloat16
+    )
+    fwd, bwd = _ops(backend)
+    args = (q, k, v, cu_q, cu_k, max_q, max_k, True, 0.35, 4, -1, 0.0)
+    torch.library.opcheck(fwd.default, args)
+    out, lse = fwd(*args)
+    detached = [t.detach() for t in (q, k, v)]
+    bwd_args = (torch.randn_like(out).detach(), *detached, out.detach(), lse, *args[3:])
+    torch.library.opcheck(bwd.default, bwd_args)
 
 
 # --------------------------------------------------------------------------- compile + AC

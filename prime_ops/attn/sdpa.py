@@ -16,7 +16,7 @@ from torch import Tensor
 
 from prime_ops.attn.seqlens import spans
 
-__all__ = ["backward", "forward", "visible"]
+__all__ = ["backward", "forward", "lse_dtype", "visible"]
 
 
 def visible(len_q: int, len_k: int, causal: bool, left: int, right: int, device) -> Tensor:
@@ -39,6 +39,12 @@ def visible(len_q: int, len_k: int, causal: bool, left: int, right: int, device)
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The contract's lse dtype for inputs of ``dtype``: fp32, or fp64 for fp64 inputs (an fp32
+    lse would cap a float64 backward, which uses it, at fp32 accuracy)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _heads(x: Tensor, groups: int, dtype: torch.dtype) -> Tensor:
@@ -87,11 +93,13 @@ def forward(
     window_size_right: int,
     softcap: float,
 ) -> tuple[Tensor, Tensor]:
-    """``(out [T, H, Dv], lse fp32 [H, T])``; rows that see no key get out 0 and lse -inf."""
+    """``(out [T, H, Dv], lse [H, T])``; rows that see no key get out 0 and lse -inf."""
     groups = q.shape[1] // k.shape[1]
     acc = _compute_dtype(q.dtype)
     out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
-    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+    lse = torch.full(
+        (q.shape[1], q.shape[0]), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device
+    )
     for (q0, q1), (k0, k1) in _sequences(
         q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     ):
@@ -104,7 +112,7 @@ def forward(
         seq_lse = torch.logsumexp(scores, dim=-1)
         probs = torch.exp(scores - _finite(seq_lse)[..., None])
         out[q0:q1] = _unheads(torch.matmul(probs, vs)).to(out.dtype)
-        lse[:, q0:q1] = seq_lse.reshape(q.shape[1], q1 - q0).to(torch.float32)
+        lse[:, q0:q1] = seq_lse.reshape(q.shape[1], q1 - q0).to(lse.dtype)
     return out, lse
 
 

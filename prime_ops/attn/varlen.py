@@ -1,15 +1,17 @@
-"""Varlen attention as one opaque operator per backend: ``prime_rl_attn::{backend}_varlen``.
+"""Varlen attention as one opaque operator per backend, named as in prime-rl:
+``prime_rl_attn::sdpa_varlen`` and ``prime_rl_attn::flash_attn_{2,3,4}_varlen``.
 
 Every backend shares one schema, one fake and one autograd formula, so torch.compile traces,
 autograd differentiates and checkpoint policies match the same operator whatever kernel runs:
 
-    {backend}_varlen(q [T, H, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv], cu_seqlens_q, cu_seqlens_k,
-                     max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                     window_size_left, window_size_right, softcap) -> (out [T, H, Dv], lse [H, T])
-    {backend}_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, ...) -> (dq, dk, dv)
+    <op>(q [T, H, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv], cu_seqlens_q, cu_seqlens_k,
+         max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+         window_size_left, window_size_right, softcap) -> (out [T, H, Dv], lse [H, T])
+    <op>_backward(dout, q, k, v, out, lse, cu_seqlens_q, ...) -> (dq, dk, dv)
 
-``lse`` is fp32, natural log, ``-inf`` for rows that see no key. It is returned for merging
-partial results (ring attention) and carries no gradient.
+``lse`` is natural-log, fp32 (fp64 for fp64 inputs, so float64 checks stay exact), ``-inf``
+for rows that see no key. It is returned for merging partial results (ring attention) and
+carries no gradient.
 """
 
 from __future__ import annotations
@@ -29,22 +31,7 @@ __all__ = ["BACKENDS", "OPS", "Backend", "check_arguments", "get_backend", "varl
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def _head_dims_up_to_256(head_dim: int, head_dim_v: int) -> None:
-    for name, dim in (("head dim of q/k", head_dim), ("head dim of v", head_dim_v)):
-        if dim % 8 or not 8 <= dim <= 256:
-            raise ValueError(f"{name} must be a multiple of 8 in [8, 256]; got {dim}")
-
-
-def _fa2_limits(head_dim: int, head_dim_v: int) -> None:
-    _head_dims_up_to_256(head_dim, head_dim_v)
-    if head_dim != head_dim_v:
-        raise ValueError(
-            f"backend 'fa2' needs v's head dim equal to q's; got {head_dim_v} and {head_dim}. "
-            "Use 'fa3' or 'fa4' for a different value head dim."
-        )
-
-
-def _no_limits(head_dim: int, head_dim_v: int) -> None:
+def _no_limits(head_dim: int, head_dim_v: int, arch: int | None, backward: bool) -> None:
     pass
 
 
@@ -52,10 +39,12 @@ def _no_limits(head_dim: int, head_dim_v: int) -> None:
 class Backend:
     """A kernel pair behind the contract, and what it accepts (checked before any launch)."""
 
-    name: str
+    name: str  # the front's ``backend=`` value
+    op: str  # operator name in ``prime_rl_attn``, without ``_varlen``
     device_types: tuple[str, ...] | None  # None: any device
     dtypes: tuple[torch.dtype, ...]
-    limits: Callable[[int, int], None]  # (head_dim, head_dim_v) -> raise ValueError
+    # (head_dim, head_dim_v, cuda arch or None, backward) -> raise ValueError
+    limits: Callable[[int, int, int | None, bool], None]
     forward: Callable[..., tuple[Tensor, Tensor]]
     backward: Callable[..., tuple[Tensor, Tensor, Tensor]]
 
@@ -65,18 +54,39 @@ BACKENDS: dict[str, Backend] = {
     for b in (
         Backend(
             "sdpa",
+            "sdpa",
             None,
             (*_HALF, torch.float32, torch.float64),
             _no_limits,
             sdpa.forward,
             sdpa.backward,
         ),
-        Backend("fa2", ("cuda",), _HALF, _fa2_limits, flash.fa2_forward, flash.fa2_backward),
         Backend(
-            "fa3", ("cuda",), _HALF, _head_dims_up_to_256, flash.fa3_forward, flash.fa3_backward
+            "fa2",
+            "flash_attn_2",
+            ("cuda",),
+            _HALF,
+            flash.fa2_head_dims,
+            flash.fa2_forward,
+            flash.fa2_backward,
         ),
         Backend(
-            "fa4", ("cuda",), _HALF, _head_dims_up_to_256, flash.fa4_forward, flash.fa4_backward
+            "fa3",
+            "flash_attn_3",
+            ("cuda",),
+            _HALF,
+            flash.fa3_head_dims,
+            flash.fa3_forward,
+            flash.fa3_backward,
+        ),
+        Backend(
+            "fa4",
+            "flash_attn_4",
+            ("cuda",),
+            _HALF,
+            flash.fa4_head_dims,
+            flash.fa4_forward,
+            flash.fa4_backward,
         ),
     )
 }
@@ -104,10 +114,14 @@ def check_arguments(
     window_size_left: int,
     window_size_right: int,
     softcap: float,
+    *,
+    grads: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> None:
     """Raise ValueError for anything the kernel would reject or silently get wrong (metadata only).
 
     Runs in the kernels and the fakes alike, so a bad call fails while tracing, before a launch.
+    ``grads`` is ``(dout, out, lse)`` for the backward, which checks them and the backward's own
+    head-dim limits too.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3:
@@ -124,10 +138,15 @@ def check_arguments(
         raise ValueError(
             f"q's heads ({q.shape[1]}) must be a multiple of k/v's heads ({k.shape[1]}) (GQA)"
         )
-    devices = {t.device for t in (q, k, v, cu_seqlens_q, cu_seqlens_k)}
+    named = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
+    if grads is not None:
+        named.update(zip(("dout", "out", "lse"), grads, strict=True))
+    devices = {str(t.device) for t in named.values()}
     if len(devices) != 1:
+        where = ", ".join(f"{name} on {t.device}" for name, t in named.items())
         raise ValueError(
-            f"q, k, v and cu_seqlens must be on one device; got {sorted(map(str, devices))}"
+            f"every tensor of an attention call must be on one device; got {where}. Move them "
+            "with .to(q.device)"
         )
     device = q.device.type
     if backend.device_types is not None and device not in (*backend.device_types, "meta"):
@@ -163,17 +182,30 @@ def check_arguments(
         raise ValueError(f"softcap must be >= 0 (0: off); got {softcap}")
     if not math.isfinite(softmax_scale):
         raise ValueError(f"softmax_scale must be finite; got {softmax_scale}")
-    backend.limits(q.shape[2], v.shape[2])
+    if grads is not None:
+        dout, out, lse = grads
+        out_shape = (q.shape[0], q.shape[1], v.shape[2])
+        for name, t in (("dout", dout), ("out", out)):
+            if tuple(t.shape) != out_shape:
+                raise ValueError(f"{name} must have shape {out_shape}; got {tuple(t.shape)}")
+        if tuple(lse.shape) != (q.shape[1], q.shape[0]):
+            raise ValueError(
+                f"lse must have shape {(q.shape[1], q.shape[0])}; got {tuple(lse.shape)}"
+            )
+    backend.limits(q.shape[2], v.shape[2], flash.cuda_arch(q.device), grads is not None)
 
 
 def _define(backend: Backend):
-    """Register ``{name}_varlen`` and ``{name}_varlen_backward`` with fakes and autograd.
+    """Register ``prime_rl_attn::{op}_varlen`` and its ``_backward`` with fakes and autograd.
 
-    Kernels look their backend up in :data:`BACKENDS` when called, so the registry stays the one
-    place that says what runs (tests swap in counting kernels there)."""
-    name = f"prime_rl_attn::{backend.name}_varlen"
+    Kernels and fakes look their backend up in :data:`BACKENDS` when called, so the registry
+    stays the one place that says what runs and where (tests swap in counting kernels, or CPU
+    runs of the adapters over stand-in libraries). The ops are registered for every device;
+    :func:`check_arguments` refuses the devices a backend does not run on with a clear error.
+    """
+    name = f"prime_rl_attn::{backend.op}_varlen"
 
-    @torch.library.custom_op(name, mutates_args=(), device_types=backend.device_types)
+    @torch.library.custom_op(name, mutates_args=())
     def forward_op(
         q: Tensor,
         k: Tensor,
@@ -195,39 +227,13 @@ def _define(backend: Backend):
         return spec.forward(q, k, v, *args, causal, *window)
 
     @forward_op.register_fake
-    def _(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        causal,
-        softmax_scale,
-        window_size_left,
-        window_size_right,
-        softcap,
-    ):
-        check_arguments(
-            backend,
-            q,
-            k,
-            v,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            max_seqlen_q,
-            max_seqlen_k,
-            softmax_scale,
-            window_size_left,
-            window_size_right,
-            softcap,
-        )
+    def _(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, left, right, softcap):
+        spec = BACKENDS[backend.name]
+        check_arguments(spec, q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, softcap)
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
-        lse = q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
-        return out, lse
+        return out, q.new_empty(q.shape[1], q.shape[0], dtype=sdpa.lse_dtype(q.dtype))
 
-    @torch.library.custom_op(f"{name}_backward", mutates_args=(), device_types=backend.device_types)
+    @torch.library.custom_op(f"{name}_backward", mutates_args=())
     def backward_op(
         dout: Tensor,
         q: Tensor,
@@ -245,26 +251,17 @@ def _define(backend: Backend):
         window_size_right: int,
         softcap: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        return BACKENDS[backend.name].backward(
-            dout,
-            q,
-            k,
-            v,
-            out,
-            lse,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            max_seqlen_q,
-            max_seqlen_k,
-            causal,
-            softmax_scale,
-            window_size_left,
-            window_size_right,
-            softcap,
-        )
+        args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        window = (softmax_scale, window_size_left, window_size_right, softcap)
+        spec = BACKENDS[backend.name]
+        check_arguments(spec, q, k, v, *args, *window, grads=(dout, out, lse))
+        return spec.backward(dout, q, k, v, out, lse, *args, causal, *window)
 
     @backward_op.register_fake
-    def _(dout, q, k, v, *args):
+    def _(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, left, right, cap):
+        spec = BACKENDS[backend.name]
+        window = (scale, left, right, cap)
+        check_arguments(spec, q, k, v, cu_q, cu_k, max_q, max_k, *window, grads=(dout, out, lse))
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     def setup_context(ctx, inputs, output):
@@ -310,8 +307,16 @@ def varlen_attention(
     of batch + 1 offsets. Queries align to the end of their keys (FlashAttention convention);
     ``window_size=(left, right)`` limits keys to ``[i - left, i + right]``, -1 unbounded;
     ``causal`` caps ``right`` at 0. ``softmax_scale`` defaults to ``D ** -0.5``; ``softcap > 0``
-    applies ``softcap * tanh(s / softcap)`` to scores. ``lse`` is fp32 ``[H, T]``, ``-inf`` where
-    a row sees no key, and carries no gradient.
+    applies ``softcap * tanh(s / softcap)`` to scores. ``lse`` is ``[H, T]``, fp32 (fp64 for
+    fp64 inputs), ``-inf`` where a row sees no key, and carries no gradient. ``backend`` picks
+    the operator: ``"sdpa"`` (``prime_rl_attn::sdpa_varlen``), ``"fa2"`` / ``"fa3"`` / ``"fa4"``
+    (``prime_rl_attn::flash_attn_{2,3,4}_varlen``).
+
+    Example::
+
+        cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+        q, k, v = (torch.randn(7, 4, 16) for _ in range(3))
+        out, lse = varlen_attention(q, k, v, cu, cu, 4, 4, causal=True)
 
     ``check_cu_seqlens`` reads the offsets on the host (one sync) to validate them in eager mode;
     it is skipped while compiling.
