@@ -58,9 +58,14 @@ def _audit(args: argparse.Namespace) -> int:
         targets = [t.strip() for t in targets.split(",") if t.strip()]
     try:
         prime_ac.checkpoint_blocks(
-            model, mode=args.mode, freq=args.freq, targets=targets, budget=args.budget, profile=loss
+            model,
+            mode=args.mode,
+            freq=args.freq,
+            targets=targets,
+            budget=args.budget,
+            profile=loss if targets == "auto" else None,
         )
-    except ValueError as exc:
+    except (TypeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     report = prime_ac.audit(model, loss)

@@ -1,16 +1,24 @@
-"""Wrapping transformer blocks in non-reentrant checkpoint regions, in place.
+"""Wrapping transformer blocks in non-reentrant checkpoint regions, in place, and finding them.
 
 A wrapped block keeps its identity: prime_ac swaps the instance's class for a subclass whose
 ``forward`` runs the original one under ``torch.utils.checkpoint`` (the same technique FSDP2's
 ``fully_shard`` uses). No module is inserted, so state-dict keys and every parameter, buffer and
 module name seen from the root stay exactly as they were, and optimizer, FSDP and checkpoint
 loading code needs no name-stripping.
+
+The settings live on the block (:class:`BlockCheckpoint`), so re-configuring a block is a change
+of that state, never of its class: this keeps working after another wrapper (``fully_shard``)
+has swapped the class again, and a block that stops being checkpointed there simply runs its own
+forward.
+
+These are the primitives; :func:`prime_ac.checkpoint_blocks` decides what to wrap.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,37 +26,56 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from prime_ac.budget import BlockPlan, apply_budget
-from prime_ac.config import ACConfig
-from prime_ac.policy import OperatorPolicy, context_fn, make_policy
-from prime_ac.targets import TargetSet
+from prime_ac.policy import OperatorPolicy
 
-__all__ = ["BlockSelector", "checkpoint_blocks", "find_blocks", "unwrap_blocks"]
-
-logger = logging.getLogger("prime_ac")
+__all__ = [
+    "BlockCheckpoint",
+    "BlockSelector",
+    "can_restore_class",
+    "changes_undone_on_error",
+    "checkpoint_state",
+    "checkpointing_disabled",
+    "find_blocks",
+    "unwrap_block",
+    "unwrap_blocks",
+    "wrap_block",
+    "wrapped_blocks",
+]
 
 BlockSelector = str | Sequence[str] | Callable[[str, nn.Module], bool] | None
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
-_reported: set[tuple[str, str]] = set()
+_STATE = "_prime_ac"  # the attribute holding a wrapped block's BlockCheckpoint
 
 
 @dataclass(frozen=True)
-class _BlockCheckpoint:
+class BlockCheckpoint:
+    """How one wrapped block is checkpointed; stored on the block itself.
+
+    ``active=False`` makes the block run its own forward with no checkpoint (a block prime_ac
+    can no longer restore to its class, and the audit's no-AC baseline). ``plan`` is the
+    :class:`prime_ac.budget.BlockPlan` of a ``targets="auto"`` block.
+    """
+
     name: str
     policy: OperatorPolicy
     context_fn: Callable[[], Any]
-    preserve_rng_state: bool
-    original_class: type
-    plan: BlockPlan | None = None  # set by targets="auto"
+    preserve_rng_state: bool = True
+    plan: Any = None
+    active: bool = True
+    original_class: type | None = None  # filled in by wrap_block
+
+
+def _call(forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    return forward(*args, **kwargs)
 
 
 class _CheckpointedBlock(nn.Module):
     """Mixin placed in front of a block's own class; see the module docstring."""
 
-    _prime_ac: _BlockCheckpoint
-
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        state = self._prime_ac
+        state: BlockCheckpoint = getattr(self, _STATE)
+        if not state.active:
+            return super().forward(*args, **kwargs)
         if state.plan is not None and torch.compiler.is_compiling():
             raise RuntimeError(
                 f'prime_ac: {state.name} uses a targets="auto" plan, which is keyed on the '
@@ -56,73 +83,141 @@ class _CheckpointedBlock(nn.Module):
                 "sharing code would share one plan). Run these blocks eagerly, or compile with "
                 "explicit targets (and torch._functorch.config.activation_memory_budget)."
             )
+        # args and kwargs travel as one value each, so none of the block's own keyword arguments
+        # (use_reentrant=, context_fn=, debug=, ...) can be taken for checkpoint's.
         return checkpoint(
+            _call,
             super().forward,
-            *args,
+            args,
+            kwargs,
             use_reentrant=False,
             context_fn=state.context_fn,
             preserve_rng_state=state.preserve_rng_state,
-            **kwargs,
         )
 
 
-_wrapped_classes: dict[type, type] = {}
+# One wrapper class per block class, created once and reused so that blocks of one class share
+# a class (isinstance, torch.compile's guards, pickling by reference): a cache, not a registry.
+_wrapper_classes: dict[type, type] = {}
 
 
-def _wrapped_class(cls: type) -> type:
-    if cls not in _wrapped_classes:
-        _wrapped_classes[cls] = type(f"Checkpointed{cls.__name__}", (_CheckpointedBlock, cls), {})
-    return _wrapped_classes[cls]
+def _wrapper_class(cls: type) -> type:
+    if cls not in _wrapper_classes:
+        _wrapper_classes[cls] = type(f"Checkpointed{cls.__name__}", (_CheckpointedBlock, cls), {})
+    return _wrapper_classes[cls]
 
 
-def _is_wrapped(module: nn.Module) -> bool:
-    return isinstance(module, _CheckpointedBlock)
+def checkpoint_state(module: nn.Module) -> BlockCheckpoint | None:
+    """The settings of a block that prime_ac checkpoints, or None if it is not checkpointed."""
+    state = getattr(module, _STATE, None) if isinstance(module, _CheckpointedBlock) else None
+    return state if state is not None and state.active else None
 
 
-def _block_class(module: nn.Module) -> type:
-    return module._prime_ac.original_class if _is_wrapped(module) else type(module)
+def wrapped_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(qualified name, block)`` of every checkpointed block of ``model``, in module order."""
+    return [(name, m) for name, m in model.named_modules() if checkpoint_state(m) is not None]
 
 
-def _wrap(block: nn.Module, state: _BlockCheckpoint) -> None:
-    if not _is_wrapped(block):
-        block.__class__ = _wrapped_class(type(block))
-    block._prime_ac = state
+def wrap_block(block: nn.Module, state: BlockCheckpoint) -> None:
+    """Checkpoint ``block`` with ``state``; a block already wrapped only gets the new state."""
+    if isinstance(block, _CheckpointedBlock):
+        original = getattr(block, _STATE).original_class
+    else:
+        original = type(block)
+        block.__class__ = _wrapper_class(original)
+    setattr(block, _STATE, dataclasses.replace(state, original_class=original))
 
 
-def _unwrap(block: nn.Module) -> None:
-    state = block._prime_ac
-    if type(block) is not _wrapped_classes.get(state.original_class):
-        raise RuntimeError(
-            f"cannot unwrap {state.name}: its class was changed after checkpoint_blocks "
-            f"(now {type(block).__name__}, e.g. by fully_shard). Unwrap before applying such "
-            "wrappers, or rebuild the model."
-        )
-    block.__class__ = state.original_class
-    del block._prime_ac
+def can_restore_class(block: nn.Module) -> bool:
+    """Whether ``block``'s class is still the one prime_ac gave it (not swapped since)."""
+    state = getattr(block, _STATE, None)
+    return state is not None and type(block) is _wrapper_classes.get(state.original_class)
 
 
-def _is_block_stack(module: nn.Module) -> bool:
-    """Two or more non-leaf children of one class in a ModuleList/ModuleDict/Sequential."""
-    if not isinstance(module, _CONTAINERS) or len(module) < 2:
-        return False
-    children = list(module.children())
-    first = _block_class(children[0])
-    return all(
-        _block_class(child) is first and next(child.children(), None) is not None
-        for child in children
-    )
+def unwrap_block(block: nn.Module) -> None:
+    """Stop checkpointing ``block``.
+
+    Its class is restored; if another wrapper swapped the class since (``fully_shard``'s
+    ``FSDPCheckpointed<X>``), prime_ac cannot restore it without undoing that wrapper, so the
+    block keeps the class and runs its own forward with no checkpoint.
+    """
+    if not isinstance(block, _CheckpointedBlock):
+        return
+    if can_restore_class(block):
+        block.__class__ = getattr(block, _STATE).original_class
+        delattr(block, _STATE)
+    else:
+        setattr(block, _STATE, dataclasses.replace(getattr(block, _STATE), active=False))
 
 
-def _containers(model: nn.Module) -> list[str]:
-    return [
-        f"{name or '<root>'} ({type(m).__name__} of {len(m)})"
-        for name, m in model.named_modules()
-        if isinstance(m, _CONTAINERS)
-    ]
+def unwrap_blocks(model: nn.Module) -> list[str]:
+    """Stop checkpointing every block of ``model``; returns their qualified names.
+
+    Blocks get their own class back, except where another wrapper has swapped it since (see
+    :func:`unwrap_block`): those run their own forward, unchanged otherwise.
+
+    Example::
+
+        prime_ac.checkpoint_blocks(model, mode="full")
+        prime_ac.unwrap_blocks(model)  # ['layers.0', 'layers.1', ...]
+    """
+    blocks = wrapped_blocks(model)
+    for _, block in blocks:
+        unwrap_block(block)
+    return [name for name, _ in blocks]
 
 
-def _walk(module: nn.Module, prefix: str, take: Callable[[str, nn.Module], bool]):
-    """Pre-order walk that yields modules ``take`` accepts and does not descend into them."""
+@contextmanager
+def checkpointing_disabled(model: nn.Module) -> Iterator[None]:
+    """Within the context, every checkpointed block of ``model`` runs without checkpointing.
+
+    Nothing is unwrapped and no class changes, so it works under other wrappers (FSDP2); this is
+    how the audit measures the no-AC baseline of a model it must not restructure.
+    """
+    states = [(block, checkpoint_state(block)) for _, block in wrapped_blocks(model)]
+    for block, state in states:
+        setattr(block, _STATE, dataclasses.replace(state, active=False))
+    try:
+        yield
+    finally:
+        for block, state in states:
+            setattr(block, _STATE, state)
+
+
+@contextmanager
+def changes_undone_on_error(model: nn.Module) -> Iterator[None]:
+    """If the body raises, every module of ``model`` gets back the class and checkpoint settings
+    it had on entry, so a failed re-configuration leaves the model exactly as it was."""
+    before = [(m, type(m), m.__dict__.get(_STATE)) for m in model.modules()]
+    try:
+        yield
+    except BaseException:
+        for module, cls, state in before:
+            module.__class__ = cls
+            if state is None:
+                module.__dict__.pop(_STATE, None)
+            else:
+                setattr(module, _STATE, state)
+        raise
+
+
+# --- discovery --------------------------------------------------------------------------------
+
+
+def _is_stack(module: nn.Module) -> bool:
+    """A ModuleList/ModuleDict/Sequential whose children all have children of their own.
+
+    The children may be of different classes (dense then MoE layers, attention and Mamba
+    layers of a hybrid); one child is enough (a one-layer model).
+    """
+    children = list(module.children()) if isinstance(module, _CONTAINERS) else []
+    return bool(children) and all(next(c.children(), None) is not None for c in children)
+
+
+def _walk(
+    module: nn.Module, prefix: str, take: Callable[[str, nn.Module], bool]
+) -> Iterator[tuple[str, nn.Module]]:
+    """Pre-order walk that yields the modules ``take`` accepts and never descends into them."""
     for name, child in module.named_children():
         path = f"{prefix}.{name}" if prefix else name
         if take(path, child):
@@ -131,145 +226,94 @@ def _walk(module: nn.Module, prefix: str, take: Callable[[str, nn.Module], bool]
             yield from _walk(child, path, take)
 
 
+def _named_children(container: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
+    return [((f"{path}.{n}" if path else n), c) for n, c in container.named_children()]
+
+
+def _containers(model: nn.Module) -> str:
+    seen = [
+        f"{name or '<root>'} ({type(m).__name__} of {len(m)})"
+        for name, m in model.named_modules()
+        if isinstance(m, _CONTAINERS)
+    ]
+    return ", ".join(seen) or "none"
+
+
 def find_blocks(
     model: nn.Module, blocks: BlockSelector = None
 ) -> list[list[tuple[str, nn.Module]]]:
     """The block groups ``checkpoint_blocks`` would wrap, as ``[[(qualified_name, block)]]``.
 
-    Each group is one container (``freq`` counts indices within it); a predicate gives one group.
-    """
-    if callable(blocks) and not isinstance(blocks, str):
-        return [list(_walk(model, "", blocks))]
-    if blocks is None:
-        if _is_block_stack(model):
-            return [list(_named_children(model, ""))]
-        stacks = list(_walk(model, "", lambda _, m: _is_block_stack(m)))
-        if not stacks:
-            raise ValueError(
-                f"checkpoint_blocks found no stack of repeated blocks in {type(model).__name__}. "
-                f"Containers seen: {', '.join(_containers(model)) or 'none'}. Pass blocks= to say "
-                "where they are, e.g. blocks='model.layers', blocks=['double_blocks', "
-                "'single_blocks'], or blocks=lambda name, module: isinstance(module, MyBlock)."
-            )
-        return [list(_named_children(stack, path)) for path, stack in stacks]
-    paths = [blocks] if isinstance(blocks, str) else list(blocks)
-    groups = []
-    for path in paths:
-        if not isinstance(path, str):
-            raise TypeError(
-                f"blocks= entries must be dotted paths (str), got {path!r}; for a test on the "
-                "modules pass a predicate, blocks=lambda name, module: ..."
-            )
-        try:
-            container = model.get_submodule(path)
-        except AttributeError:
-            raise ValueError(
-                f"blocks={path!r} does not exist in {type(model).__name__}. Containers seen: "
-                f"{', '.join(_containers(model)) or 'none'}."
-            ) from None
-        if not isinstance(container, _CONTAINERS):
-            raise ValueError(
-                f"blocks={path!r} is a {type(container).__name__}, not a ModuleList, ModuleDict "
-                "or Sequential of blocks. Name the container that holds the blocks, or pass "
-                "blocks=lambda name, module: ... to pick the block modules themselves."
-            )
-        groups.append(list(_named_children(container, path)))
-    return groups
-
-
-def _named_children(container: nn.Module, path: str) -> Iterable[tuple[str, nn.Module]]:
-    for name, child in container.named_children():
-        yield (f"{path}.{name}" if path else name), child
-
-
-def checkpoint_blocks(
-    model: nn.Module,
-    *,
-    mode: str = "full",
-    freq: int = 1,
-    targets: Iterable[str] | str | None = None,
-    blocks: BlockSelector = None,
-    mandatory: Iterable[str] = (),
-    preserve_rng_state: bool = True,
-    strict: bool = False,
-    config: ACConfig | None = None,
-    budget: int | float | Mapping[str, int] | None = None,
-    profile: Callable[[nn.Module], Any] | None = None,
-) -> list[str]:
-    """Wrap each selected block of ``model`` in its own non-reentrant checkpoint region.
-
-    Works in place and returns the wrapped blocks' qualified names. ``freq=k`` wraps blocks whose
-    index in their container is a multiple of k. Applying it again replaces the settings (blocks
-    no longer selected are unwrapped); wrappers never nest. ``config`` (an :class:`ACConfig`)
-    supplies mode, freq and targets. Targets that no dispatch mode can see are logged once, or
-    raise ValueError with ``strict=True``.
-
-    ``targets="auto"`` keeps, per block, the operator calls that save the most replayed FLOPs
-    within ``budget`` (bytes per block, a float fraction of the no-AC activation memory, or a
-    ``{block name: bytes}`` mapping),
-    measured on one step ``profile(model)`` that returns a loss (see :mod:`prime_ac.budget`).
+    Each group is one container (``freq`` counts indices within it); a predicate gives one
+    group. ``blocks=None`` discovers the stacks: the outermost ModuleList / ModuleDict /
+    Sequential containers whose children all have submodules (see docs/checkpointing.md,
+    "Discovery"). Raises ValueError when the selection is empty.
 
     Example::
 
-        import prime_ac
-        wrapped = prime_ac.checkpoint_blocks(model, mode="selective", targets=["aten::mm"])
+        prime_ac.find_blocks(model)                    # [[('model.layers.0', ...), ...]]
+        prime_ac.find_blocks(flux, ["transformer_blocks", "single_transformer_blocks"])
     """
-    if config is None:  # validates, with the same errors as a config file gets
-        config = ACConfig(mode=mode, freq=freq, targets=targets, budget=budget)
-    mode, freq, targets = config.mode, config.freq, config.targets
-    auto = targets == "auto"
-    if auto and profile is None:
-        raise ValueError(
-            'targets="auto" needs profile=: a function that runs one forward of the model and '
-            "returns the loss, e.g. profile=lambda model: model.loss(batch)"
+    if blocks is None:
+        if _is_stack(model):
+            return [_named_children(model, "")]
+        stacks = list(_walk(model, "", lambda _, m: _is_stack(m)))
+        if not stacks:
+            raise ValueError(
+                f"checkpoint_blocks found no stack of blocks in {type(model).__name__}: no "
+                "ModuleList, ModuleDict or Sequential whose children all have submodules. "
+                f"Containers seen: {_containers(model)}. Pass blocks= to say where they are, e.g. "
+                "blocks='model.layers', blocks=['double_blocks', 'single_blocks'], or "
+                "blocks=lambda name, module: isinstance(module, MyBlock)."
+            )
+        return [_named_children(stack, path) for path, stack in stacks]
+    if callable(blocks) and not isinstance(blocks, str):
+        group = list(_walk(model, "", blocks))
+        if not group:
+            raise ValueError(
+                f"blocks={blocks!r} accepted no module of {type(model).__name__}: the predicate "
+                "is called as predicate(qualified_name, module) on every submodule. To stop "
+                "checkpointing, call prime_ac.unwrap_blocks(model)."
+            )
+        return [group]
+    if isinstance(blocks, str):
+        paths = [blocks]
+    elif isinstance(blocks, Iterable) and not isinstance(blocks, nn.Module):
+        paths = list(blocks)
+    else:
+        raise TypeError(
+            f"blocks={blocks!r} must be None (discover), a dotted path such as 'model.layers', "
+            "a list of paths, or a predicate (name, module) -> bool"
         )
-    if auto:
-        mode, targets = "full", None  # profile with nothing but the mandatory set kept
-    policy = make_policy(mode, targets, mandatory)
-    named = TargetSet(targets or () if mode == "selective" else ())
-    _report(named.problems() + TargetSet(mandatory).problems(mandatory=True), strict)
-
-    selected: dict[int, str] = {}
-    for group in find_blocks(model, blocks):
-        for index, (name, block) in enumerate(group):
-            if index % freq == 0:
-                selected[id(block)] = name
-                _wrap(
-                    block,
-                    _BlockCheckpoint(
-                        name=name,
-                        policy=policy,
-                        context_fn=context_fn(policy=policy, name=f"block {name!r}"),
-                        preserve_rng_state=preserve_rng_state,
-                        original_class=_block_class(block),
-                    ),
-                )
-    for module in model.modules():
-        if _is_wrapped(module) and id(module) not in selected:
-            _unwrap(module)
-    if auto:
-        apply_budget(model, profile, config.budget)
-    return list(selected.values())
-
-
-def unwrap_blocks(model: nn.Module) -> list[str]:
-    """Restore every block ``checkpoint_blocks`` wrapped; returns their qualified names."""
-    names = []
-    for name, module in model.named_modules():
-        if _is_wrapped(module):
-            _unwrap(module)
-            names.append(name)
-    return names
-
-
-def _report(problems: list[tuple[str, str]], strict: bool) -> None:
-    """Log (once per process) or raise for user-named targets the policy can never keep."""
-    if strict and problems:
+    if not paths:
         raise ValueError(
-            "targets that no dispatch mode can see (strict=True): "
-            + "; ".join(f"{target!r} {reason}" for target, reason in problems)
+            "blocks=[] selects no block. Omit blocks= to discover them, name containers "
+            "(blocks=['model.layers']), or call prime_ac.unwrap_blocks(model) to stop "
+            "checkpointing."
         )
-    for target, reason in problems:
-        if (target, reason) not in _reported:
-            _reported.add((target, reason))
-            logger.warning("prime_ac target %r %s; it matches nothing for now", target, reason)
+    return [_container_group(model, path) for path in paths]
+
+
+def _container_group(model: nn.Module, path: Any) -> list[tuple[str, nn.Module]]:
+    if not isinstance(path, str):
+        raise TypeError(
+            f"blocks= entries must be dotted paths (str), got {path!r}; for a test on the "
+            "modules pass a predicate, blocks=lambda name, module: ..."
+        )
+    try:
+        container = model.get_submodule(path)
+    except AttributeError:
+        raise ValueError(
+            f"blocks={path!r} does not exist in {type(model).__name__}. Containers seen: "
+            f"{_containers(model)}."
+        ) from None
+    if not isinstance(container, _CONTAINERS):
+        raise ValueError(
+            f"blocks={path!r} is a {type(container).__name__}, not a ModuleList, ModuleDict "
+            "or Sequential of blocks. Name the container that holds the blocks, or pass "
+            "blocks=lambda name, module: ... to pick the block modules themselves."
+        )
+    group = _named_children(container, path)
+    if not group:
+        raise ValueError(f"blocks={path!r} is an empty {type(container).__name__}: no block.")
+    return group

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from prime_ac.budget import per_block_budget
 from prime_ac.targets import Target
 
-__all__ = ["ACConfig"]
+__all__ = ["ACConfig", "check_budget"]
 
 _MODES = ("full", "selective")
 
@@ -55,11 +55,7 @@ class ACConfig:
                     'targets="auto" needs budget=: bytes per block (int) or a fraction of the '
                     "no-AC activation memory (float in [0, 1])"
                 )
-            if isinstance(self.budget, Mapping):
-                for block in self.budget:
-                    per_block_budget(self.budget, 0, 1, block)  # validates each value
-            else:
-                per_block_budget(self.budget, 0, 1)  # validates the value
+            check_budget(self.budget)
         elif self.budget is not None:
             raise ValueError(f'budget={self.budget!r} applies only with targets="auto"')
         elif self.targets is not None:
@@ -70,6 +66,11 @@ class ACConfig:
                 )
             for target in self.targets:
                 Target.parse(target)
+            if self.mode == "full":
+                raise ValueError(
+                    f"targets={list(self.targets)!r} has no effect with mode='full', which keeps "
+                    "only the mandatory operators: set mode='selective' to keep the targets"
+                )
             object.__setattr__(self, "targets", tuple(self.targets))
 
     @classmethod
@@ -82,3 +83,24 @@ class ACConfig:
                 f"unknown activation-checkpointing key(s) {unknown}: accepted keys are {sorted(known)}"
             )
         return cls(**table)
+
+
+def check_budget(budget: Any) -> None:
+    """Raise ValueError unless ``budget`` is bytes per block (int >= 0), a fraction of the no-AC
+    activation memory (finite float in [0, 1]) or a ``{block name: bytes}`` mapping."""
+    if isinstance(budget, Mapping):
+        for block, value in budget.items():
+            if not isinstance(block, str):
+                raise ValueError(f"budget keys are qualified block names (str), got {block!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(
+                    f"budget[{block!r}]={value!r}: per-block budgets are bytes (int >= 0)"
+                )
+        return
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget < 0:
+        raise ValueError(
+            f"budget={budget!r} must be bytes per block (int >= 0), a fraction of the no-AC "
+            "activation memory (float in [0, 1]), or a {block name: bytes} mapping"
+        )
+    if isinstance(budget, float) and not (math.isfinite(budget) and budget <= 1):
+        raise ValueError(f"budget={budget!r}: a fraction must lie in [0, 1]; bytes are an int")

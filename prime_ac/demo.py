@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prime_ac.blocks import checkpoint_blocks
+from prime_ac.checkpoint import checkpoint_blocks
 from prime_ac.measure import StepStats, measure_step
 from prime_ac.models import build_model
 

@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import flop_registry
 
 __all__ = [
     "OpCounter",
@@ -27,8 +26,29 @@ __all__ = [
     "StorageTracker",
     "measure_step",
     "operator_flops",
+    "storages",
     "track_step",
 ]
+
+
+def _grouped_mm_flops(func, args, kwargs, out) -> int:
+    """``_grouped_mm`` / ``_scaled_grouped_mm``: 2 FLOPs per multiply-add of every group.
+
+    Groups run along M (2D ``a`` [M_total, K] with 3D ``b`` [G, K, N]), along a batch (both 3D),
+    or along K (both 2D: ``a`` [M, K_total], ``b`` [K_total, N], out [G, M, N]). Counted from
+    shapes, as torch's formulas are: rows past the last offset (padding) count too.
+    """
+    a, b = args[0], args[1]
+    if a.dim() == 2 and b.dim() == 2:
+        return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    return 2 * out.numel() * a.shape[-1]
+
+
+# Formulas torch.utils.flop_counter lacks (it counts these as 0 FLOPs), keyed by overload packet.
+_FORMULAS = {
+    torch.ops.aten._grouped_mm: _grouped_mm_flops,
+    torch.ops.aten._scaled_grouped_mm: _grouped_mm_flops,
+}
 
 # torch's FLOP formulas have no entry for CPU flash attention; its shapes and maths are those of
 # the CUDA flash kernel, whose formula reads only q, k and v.
@@ -40,10 +60,33 @@ _FLOP_ALIASES = {
 
 
 def operator_flops(func, args, kwargs, out) -> int:
-    """FLOPs of one operator call by torch.utils.flop_counter's formulas; 0 when it has none."""
-    packet = getattr(func, "_overloadpacket", None)
+    """FLOPs of one operator call: torch.utils.flop_counter's formulas plus prime_ac's own for
+    grouped GEMMs; 0 for operators neither has. Higher-order operators (flex_attention) are
+    looked up by the operator itself."""
+    # imported here: torch.utils.flop_counter imports triton when it is installed
+    from torch.utils.flop_counter import flop_registry
+
+    packet = getattr(func, "_overloadpacket", func)
+    own = _FORMULAS.get(packet)
+    if own is not None:
+        return own(func, args, kwargs or {}, out)
     formula = flop_registry.get(_FLOP_ALIASES.get(packet, packet))
     return 0 if formula is None else formula(*args, **(kwargs or {}), out_val=out)
+
+
+def storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages holding ``tensor``'s data on this process.
+
+    A wrapper subclass such as a DTensor has no storage of its own (asking raises "invalid
+    python storage"): its local tensors are asked instead, so a sharded tensor counts its shard.
+    Meta tensors hold no memory.
+    """
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        return [s for name in names for s in storages(getattr(tensor, name))]
+    if tensor.device.type == "meta":
+        return []
+    return [tensor.untyped_storage()]
 
 
 class StorageTracker(TorchDispatchMode):
@@ -60,19 +103,24 @@ class StorageTracker(TorchDispatchMode):
 
     def exclude(self, tensors) -> None:
         """Storages that existed before (parameters, inputs) are never counted, views included."""
-        self._preexisting.update(t.untyped_storage().data_ptr() for t in tensors)
+        self._preexisting.update(s.data_ptr() for t in tensors for s in storages(t))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
-                storage = leaf.untyped_storage()
+            for storage in storages(leaf) if isinstance(leaf, torch.Tensor) else ():
                 ptr = storage.data_ptr()
                 known = self._storages.get(ptr)
                 # An address is reused once its storage dies: track the storage living there now.
                 if ptr not in self._preexisting and (known is None or known() is None):
                     self._storages[ptr] = weakref.ref(storage)
         return out
+
+    def forget(self, tensors) -> None:
+        """Stop counting the storages of ``tensors`` (the loss; parameters FSDP gathered)."""
+        for t in tensors:
+            for storage in storages(t):
+                self._storages.pop(storage.data_ptr(), None)
 
     def held_bytes(self) -> int:
         gc.collect()
@@ -111,12 +159,18 @@ def track_step(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor]) -
 
     Held bytes are the storages the forward created that are still alive once it returns, the
     loss itself excluded: what the model keeps for backward, under any checkpoint policy.
+    Parameters never count, whether they existed before (sharded or not) or were gathered during
+    the forward (FSDP2 modules not resharded after it).
     """
     tracker, counter = StorageTracker(), OpCounter()
     tracker.exclude([*model.parameters(), *model.buffers()])
     with tracker, counter:
         loss = loss_fn(model)
-    tracker._storages.pop(loss.untyped_storage().data_ptr(), None)
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            f"loss_fn must return the loss tensor to run backward on, got {type(loss).__name__}"
+        )
+    tracker.forget([loss, *model.parameters(), *model.buffers()])
     held = tracker.held_bytes()
     loss.backward()
     return held, counter.flops

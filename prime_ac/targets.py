@@ -25,6 +25,7 @@ __all__ = [
     "Target",
     "TargetSet",
     "operator_key",
+    "registered_operators",
 ]
 
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
@@ -111,11 +112,12 @@ class Target:
         """Why no dispatch mode can see this target now, or None if it can.
 
         Unregistered names are legal (backends register late), so this is for reporting only.
-        ``registered`` is the set of ``ns::op`` names, when the caller already has it.
-        ``mandatory`` targets are cached even when they mutate (so their effect happens once).
+        ``registered`` is the set of ``ns::op`` names (see :func:`registered_operators`), when
+        the caller already has it. ``mandatory`` targets are cached even when they mutate (so
+        their effect happens once).
         """
         if registered is None:
-            registered = set(torch._C._dispatch_get_all_op_names())
+            registered = registered_operators()
         if self.namespace == "higher_order":
             if self.op is None or hasattr(torch.ops.higher_order, self.op):
                 return None
@@ -126,23 +128,44 @@ class Target:
                 return None
             return "names a namespace with no registered operator"
         qualified = f"{self.namespace}::{self.op}"
-        if qualified not in registered:
+        packet = getattr(getattr(torch.ops, self.namespace), self.op, None)
+        # the dispatcher lists ``ns::op`` for a .default overload, ``ns::op.name`` for the others
+        dispatched = [
+            name
+            for name in (packet.overloads() if packet is not None else ())
+            if (qualified if name == "default" else f"{qualified}.{name}") in registered
+        ]
+        if not dispatched:
             return "names no registered operator"
-        packet = getattr(getattr(torch.ops, self.namespace), self.op)
-        overloads = packet.overloads() if self.overload is None else [self.overload]
-        if self.overload is not None and self.overload not in packet.overloads():
-            return f"names no registered overload (known: {', '.join(packet.overloads())})"
+        if self.overload is not None:
+            if self.overload not in dispatched:
+                return f"names no registered overload (known: {', '.join(dispatched)})"
+            dispatched = [self.overload]
         keepable = [
-            getattr(packet, n) for n in overloads if not getattr(packet, n)._schema.is_mutable
+            getattr(packet, name)
+            for name in dispatched
+            if mandatory or not getattr(packet, name)._schema.is_mutable
         ]
         if not keepable:
-            return "only mutates its arguments: a cached result would skip the write, so it is never kept"
+            return (
+                "only mutates its arguments: a cached result would skip the write, so it is "
+                "never kept"
+            )
         if all(_is_composite_implicit(op) for op in keepable):
             return (
                 "is CompositeImplicitAutograd: it decomposes before any dispatch mode sees it, "
                 "so target the operators it decomposes into instead"
             )
         return None
+
+
+def registered_operators() -> set[str]:
+    """Every registered operator overload as the dispatcher names it.
+
+    ``ns::op`` is a ``.default`` overload and ``ns::op.name`` any other, so an operator with no
+    ``.default`` (``aten::mul``: ``.Tensor``, ``.Scalar``) never appears under its bare name.
+    """
+    return set(torch._C._dispatch_get_all_op_names())
 
 
 def _is_composite_implicit(op: torch._ops.OpOverload) -> bool:
@@ -175,7 +198,7 @@ class TargetSet:
 
     def problems(self, *, mandatory: bool = False) -> list[tuple[str, str]]:
         """``(target, reason)`` for each target the policy can never keep as things stand."""
-        registered = set(torch._C._dispatch_get_all_op_names())
+        registered = registered_operators()
         return [
             (str(t), reason)
             for t in self.targets

@@ -6,6 +6,7 @@ import copy
 import subprocess
 import sys
 
+import ac_models
 import pytest
 import torch
 from ac_models import CountingModel, assert_bitwise_equal, grads
@@ -205,7 +206,7 @@ def test_no_stack_found_lists_containers_and_the_fix():
     with pytest.raises(ValueError) as info:
         prime_ac.checkpoint_blocks(model)
     message = str(info.value)
-    assert "found no stack of repeated blocks in Sequential" in message
+    assert "found no stack of blocks in Sequential" in message
     assert "<root> (Sequential of 3)" in message
     assert "blocks='model.layers'" in message
 
@@ -217,13 +218,27 @@ def test_bad_settings_name_the_argument():
         prime_ac.checkpoint_blocks(CountingModel(), mode="fast")
 
 
-def test_unwrap_after_a_class_swapping_wrapper_is_refused():
-    model = CountingModel()
+def test_unwrap_after_a_class_swapping_wrapper_turns_checkpointing_off_in_place():
+    torch.manual_seed(0)
+    model, reference = CountingModel(), CountingModel()
+    reference.load_state_dict(model.state_dict())
     prime_ac.checkpoint_blocks(model, mode="full")
     block = model.layers[0]
-    block.__class__ = type("FSDPLike", (type(block),), {})
-    with pytest.raises(RuntimeError, match="Unwrap before applying such wrappers"):
-        prime_ac.unwrap_blocks(model)
+    swapped = type("FSDPLike", (type(block),), {})  # what fully_shard does to a wrapped block
+    block.__class__ = swapped
+    assert prime_ac.unwrap_blocks(model) == [f"layers.{i}" for i in range(4)]
+    assert type(block) is swapped  # its class cannot be restored without undoing FSDPLike
+    assert type(model.layers[1]).__name__ == "CountingBlock"
+    assert prime_ac.unwrap_blocks(model) == []
+    x = torch.randn(3, 8)
+    calls = ac_models.CALLS["count"]
+    model(x).backward()
+    assert ac_models.CALLS["count"] - calls == 4  # no block replays: nothing is checkpointed
+    reference(x).backward()
+    assert_bitwise_equal(grads(model), grads(reference))
+    # and it can be checkpointed again, by state alone
+    assert prime_ac.checkpoint_blocks(model, mode="selective")[0] == "layers.0"
+    assert type(block) is swapped and block._prime_ac.policy.mode == "selective"
 
 
 def test_prime_ac_imports_no_prime_ops_or_kernel_library():

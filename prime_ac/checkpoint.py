@@ -1,0 +1,221 @@
+"""``checkpoint_blocks``: the public entry that validates, plans and applies a configuration.
+
+It sits on top of the package: settings (:mod:`prime_ac.config`), the policy, the wrapping
+primitives (:mod:`prime_ac.blocks`) and the budget planner. A call is all or nothing: every
+argument is checked and every change planned before the model is touched, and if anything
+fails while applying (a ``targets="auto"`` profile that raises), every block gets back its
+class and settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from prime_ac.blocks import (
+    BlockCheckpoint,
+    BlockSelector,
+    changes_undone_on_error,
+    checkpoint_state,
+    find_blocks,
+    unwrap_block,
+    wrap_block,
+    wrapped_blocks,
+)
+from prime_ac.budget import budget_context_fn, plan_budget
+from prime_ac.config import ACConfig
+from prime_ac.contexts import context_fn
+from prime_ac.policy import make_policy
+from prime_ac.targets import TargetSet
+
+__all__ = ["checkpoint_blocks"]
+
+logger = logging.getLogger("prime_ac")
+
+
+def checkpoint_blocks(
+    model: nn.Module,
+    *,
+    mode: str | None = None,
+    freq: int | None = None,
+    targets: Iterable[str] | str | None = None,
+    blocks: BlockSelector = None,
+    mandatory: Iterable[str] = (),
+    preserve_rng_state: bool = True,
+    strict: bool = False,
+    config: ACConfig | None = None,
+    budget: int | float | Mapping[str, int] | None = None,
+    profile: Callable[[nn.Module], torch.Tensor] | None = None,
+) -> list[str]:
+    """Wrap each selected block of ``model`` in its own non-reentrant checkpoint region.
+
+    Works in place and returns the wrapped blocks' qualified names. ``mode`` is ``"full"`` (the
+    default: keep only the mandatory operators) or ``"selective"`` (also keep ``targets``,
+    :data:`prime_ac.DEFAULT_TARGETS` when None). ``freq=k`` wraps blocks whose index in their
+    container is a multiple of k. ``blocks`` selects the blocks (see :func:`find_blocks`).
+    ``config`` (an :class:`ACConfig`) supplies mode, freq, targets and budget instead of the
+    arguments. Applying it again replaces the settings (blocks no longer selected stop being
+    checkpointed); wrappers never nest. The call is atomic: on any error the model is left
+    exactly as it was.
+
+    Targets that no dispatch mode can see are logged on every call, or raise ValueError with
+    ``strict=True``.
+
+    ``targets="auto"`` keeps, per block, the operator calls that save the most replayed FLOPs
+    within ``budget`` (bytes per block, a float fraction of the no-AC activation memory, or a
+    ``{block name: bytes}`` mapping), measured on one step ``profile(model)`` that returns a
+    loss (see :mod:`prime_ac.budget`).
+
+    Example::
+
+        import prime_ac
+        wrapped = prime_ac.checkpoint_blocks(model, mode="selective", targets=["aten::mm"])
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"model must be a torch.nn.Module, got {type(model).__name__}: pass the model whose "
+            "blocks to checkpoint"
+        )
+    config = _settings(config, mode=mode, freq=freq, targets=targets, budget=budget)
+    auto = config.targets == "auto"
+    _check_profile(profile, auto)
+    # auto profiles with nothing but the mandatory set kept, then plans on top of full mode
+    policy = make_policy(
+        "full" if auto else config.mode, None if auto else config.targets, mandatory
+    )
+    named = TargetSet(config.targets or () if config.mode == "selective" and not auto else ())
+    _report(named.problems() + TargetSet(mandatory).problems(mandatory=True), strict)
+
+    selected = [
+        (name, block)
+        for group in find_blocks(model, blocks)
+        for index, (name, block) in enumerate(group)
+        if index % config.freq == 0
+    ]
+    _check_not_nested([name for name, _ in selected])
+    if auto and isinstance(config.budget, Mapping):
+        _check_budget_names(config.budget, [name for name, _ in selected])
+
+    chosen = {id(block) for _, block in selected}
+    with changes_undone_on_error(model):
+        for name, block in selected:
+            wrap_block(
+                block,
+                BlockCheckpoint(
+                    name=name,
+                    policy=policy,
+                    context_fn=context_fn(policy=policy, name=f"block {name!r}"),
+                    preserve_rng_state=preserve_rng_state,
+                ),
+            )
+        for _, block in wrapped_blocks(model):
+            if id(block) not in chosen:
+                unwrap_block(block)
+        if auto:
+            plans = plan_budget(model, _checked_profile(profile), config.budget)
+            for name, block in selected:
+                state = dataclasses.replace(
+                    checkpoint_state(block),
+                    context_fn=budget_context_fn(
+                        policy, frozenset(plans[name].kept), f"block {name!r}"
+                    ),
+                    plan=plans[name],
+                )
+                wrap_block(block, state)
+    return [name for name, _ in selected]
+
+
+def _settings(config: Any, **explicit: Any) -> ACConfig:
+    if config is None:
+        mode, freq = explicit["mode"], explicit["freq"]
+        return ACConfig(
+            mode="full" if mode is None else mode,
+            freq=1 if freq is None else freq,
+            targets=explicit["targets"],
+            budget=explicit["budget"],
+        )
+    if isinstance(config, Mapping):
+        raise TypeError(
+            "config= takes an ACConfig, got a dict: write config=prime_ac.ACConfig.from_dict(...) "
+            "(or pass its keys as arguments)"
+        )
+    if not isinstance(config, ACConfig):
+        raise TypeError(f"config= takes a prime_ac.ACConfig, got {type(config).__name__}")
+    given = [name for name, value in explicit.items() if value is not None]
+    if given:
+        raise ValueError(
+            f"pass {', '.join(f'{n}=' for n in given)} either as arguments or in config=, not "
+            f"both: config={config!r} already sets them"
+        )
+    return config
+
+
+def _check_profile(profile: Any, auto: bool) -> None:
+    if auto and profile is None:
+        raise ValueError(
+            'targets="auto" needs profile=: a function that runs one forward of the model and '
+            "returns the loss, e.g. profile=lambda model: model.loss(batch)"
+        )
+    if not auto and profile is not None:
+        raise ValueError('profile= applies only with targets="auto"; drop it or set targets="auto"')
+    if auto and not callable(profile):
+        raise TypeError(
+            f"profile={profile!r} is not callable: pass a function model -> loss, e.g. "
+            "profile=lambda model: model.loss(batch)"
+        )
+
+
+def _checked_profile(profile: Callable[[nn.Module], Any]) -> Callable[[nn.Module], torch.Tensor]:
+    def loss_fn(model: nn.Module) -> torch.Tensor:
+        loss = profile(model)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+            raise TypeError(
+                f"profile= must return the loss of one forward (a one-element tensor that "
+                f"requires grad) to run backward on; it returned {_describe(loss)}"
+            )
+        return loss
+
+    return loss_fn
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}, requires_grad={value.requires_grad}"
+    return f"{type(value).__name__} {value!r}"[:200]
+
+
+def _check_not_nested(names: list[str]) -> None:
+    for name in names:
+        outer = next((o for o in names if name.startswith(o + ".")), None)
+        if outer is not None:
+            raise ValueError(
+                f"blocks= selects {name!r} inside the selected block {outer!r}: checkpoint "
+                "regions cannot nest. Select one level."
+            )
+
+
+def _check_budget_names(budget: Mapping[str, int], names: list[str]) -> None:
+    unknown = sorted(set(budget) - set(names))
+    missing = [name for name in names if name not in budget]
+    if unknown:
+        raise ValueError(
+            f"budget= names {unknown}, which are not blocks this call checkpoints: {names}"
+        )
+    if missing:
+        raise ValueError(f"budget= has no entry for checkpointed block(s) {missing}")
+
+
+def _report(problems: list[tuple[str, str]], strict: bool) -> None:
+    """Log, on every call, or raise (``strict=True``) for targets the policy can never keep."""
+    if strict and problems:
+        raise ValueError(
+            "targets that no dispatch mode can see (strict=True): "
+            + "; ".join(f"{target!r} {reason}" for target, reason in problems)
+        )
+    for target, reason in problems:
+        logger.warning("prime_ac target %r %s; it matches nothing for now", target, reason)
