@@ -1,0 +1,92 @@
+// FP8 block quantisation on CPU: prime_rl::quantize_fp8_blockwise.
+//
+// x [M, K] -> q float8_e4m3fn [M, K] and one fp32 scale per block_rows x 128 block, scales
+// [ceil(M / block_rows), ceil(K / 128)] (DeepGEMM's operand layout before its own TMA
+// transform; block_rows 1 for activations, 128 for weights). scale = amax / 448 (amax clamped
+// to 1e-12), q = clamp(x / scale, -448, 448). With ue8m0 the scale is rounded UP to a power of
+// two (what SM100 kernels read as UE8M0), so |x / scale| <= 448 still holds.
+#include "../common.h"
+
+#include <cmath>
+#include <cstring>
+#include <tuple>
+
+namespace prime_ops {
+namespace {
+
+constexpr int64_t kBlock = 128;
+constexpr float kFp8Max = 448.0f;
+
+// The smallest power of two p with amax / p <= 448 (scale = amax / 448 rounded up).
+inline float pow2_scale(float amax, float scale) {
+  uint32_t bits;
+  std::memcpy(&bits, &scale, sizeof bits);
+  if ((bits & 0x7f800000u) == 0x7f800000u) return scale;  // inf or nan: leave as is
+  if (bits & 0x007fffffu) bits = (bits & 0xff800000u) + 0x00800000u;
+  float p;
+  std::memcpy(&p, &bits, sizeof p);
+  return amax / p > kFp8Max ? p * 2.0f : p;
+}
+
+template <typename scalar_t>
+void quantize_block(const scalar_t* x, int64_t k, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
+                    bool ue8m0, c10::Float8_e4m3fn* q, float* scale) {
+  float amax = 0.0f;
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const float a = std::abs(static_cast<float>(x[r * k + c]));
+      amax = (a > amax || a != a) ? a : amax;  // NaN propagates, as in torch.amax
+    }
+  }
+  amax = amax < 1e-12f ? 1e-12f : amax;
+  float s = amax / kFp8Max;
+  if (ue8m0) s = pow2_scale(amax, s);
+  *scale = s;
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t c = c0; c < c1; ++c) {
+      float v = static_cast<float>(x[r * k + c]) / s;
+      v = v < -kFp8Max ? -kFp8Max : (v > kFp8Max ? kFp8Max : v);
+      q[r * k + c] = c10::Float8_e4m3fn(v);
+    }
+  }
+}
+
+std::tuple<Tensor, Tensor> quantize_fp8_blockwise(Tensor x, int64_t block_rows,
+                                                  std::string scale_format) {
+  check_dim(x, 2, "x");
+  check_contiguous(x, "x");
+  STD_TORCH_CHECK(block_rows == 1 || block_rows == kBlock, "block_rows must be 1 or 128");
+  STD_TORCH_CHECK(scale_format == "fp32" || scale_format == "ue8m0",
+                  "scale_format must be 'fp32' or 'ue8m0'");
+  const bool ue8m0 = scale_format == "ue8m0";
+  const int64_t m = x.size(0), k = x.size(1);
+  const int64_t row_blocks = (m + block_rows - 1) / block_rows;
+  const int64_t col_blocks = (k + kBlock - 1) / kBlock;
+  Tensor q = torch::stable::new_empty(x, {m, k}, ScalarType::Float8_e4m3fn);
+  Tensor scale = torch::stable::new_empty(x, {row_blocks, col_blocks}, ScalarType::Float);
+  dispatch_floating(x.scalar_type(), "x", [&](auto s) {
+    using scalar_t = decltype(s);
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    auto* qp = static_cast<c10::Float8_e4m3fn*>(q.mutable_data_ptr());
+    float* sp = scale.mutable_data_ptr<float>();
+    const int64_t grain = block_rows == 1 ? 16 : 1;
+    torch::stable::parallel_for(0, row_blocks, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t rb = begin; rb < end; ++rb) {
+        const int64_t r0 = rb * block_rows, r1 = std::min(m, r0 + block_rows);
+        for (int64_t cb = 0; cb < col_blocks; ++cb) {
+          const int64_t c0 = cb * kBlock, c1 = std::min(k, c0 + kBlock);
+          quantize_block(xp, k, r0, r1, c0, c1, ue8m0, qp, sp + rb * col_blocks + cb);
+        }
+      }
+    });
+  });
+  return {q, scale};
+}
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY_IMPL(prime_rl, CPU, m) {
+  m.impl("quantize_fp8_blockwise", TORCH_BOX(&quantize_fp8_blockwise));
+}
+
+}  // namespace prime_ops

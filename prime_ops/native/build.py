@@ -1,0 +1,157 @@
+"""Build and load the native kernels in ``csrc/``: a cached build, run once per machine.
+
+``python -m prime_ops.native.build`` compiles the C++ (and, with a CUDA build of torch and
+``nvcc``, the CUDA) sources with ``torch.utils.cpp_extension`` into a cache directory and loads
+the library; later processes load the cached library without a compiler. The kernels use only
+the LibTorch stable ABI, targeting torch 2.10, so one build keeps loading after torch upgrades.
+Nothing is compiled at ``pip install`` time: the package installs and imports where no compiler
+exists, and the native ops raise :class:`~prime_ops.BackendUnavailable` until the build ran.
+
+``python -m prime_ops.native.build --check-cuda`` compiles the CUDA sources to object files
+only (no CUDA torch or GPU needed), which is how CI keeps a CUDA build error from landing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+__all__ = ["BUILD_COMMAND", "build", "cache_dir", "check_cuda_sources", "csrc_dir", "load"]
+
+_loaded: Path | None = None  # the library this process loaded (a process can load it once)
+
+BUILD_COMMAND = "python -m prime_ops.native.build"
+LIBRARY = "prime_ops_native"
+ABI_TARGET = (2, 10)  # oldest torch whose stable ABI the library may load into
+_TARGET = f"-DTORCH_TARGET_VERSION=0x{ABI_TARGET[0]:02x}{ABI_TARGET[1]:02x}000000000000"
+# -O3: at -O2 GCC's loop vectoriser runs its 'very cheap' model and skips most kernel loops.
+# -ffp-contract=off: no FMA contraction, so the CPU kernels round like the eager chains.
+_CFLAGS = ["-O3", "-ffp-contract=off", _TARGET]
+_NVCC_FLAGS = ["-O2", "-std=c++17", "--expt-relaxed-constexpr", _TARGET]
+
+
+def csrc_dir() -> Path:
+    """The kernel sources: ``$PRIME_OPS_CSRC``, else ``csrc/`` of the source checkout."""
+    path = Path(os.environ.get("PRIME_OPS_CSRC", Path(__file__).resolve().parents[2] / "csrc"))
+    if not (path / "common.h").is_file():
+        raise FileNotFoundError(
+            f"the native kernel sources are not at {path}; build from a source checkout of "
+            "prime-ops or point PRIME_OPS_CSRC at its csrc/ directory"
+        )
+    return path
+
+
+def cache_dir(cuda: bool) -> Path:
+    """``$PRIME_OPS_NATIVE_DIR``, else ``~/.cache/prime_ops/native/<abi>-<cpu|cuda>``."""
+    root = os.environ.get("PRIME_OPS_NATIVE_DIR")
+    base = Path(root) if root else Path.home() / ".cache" / "prime_ops" / "native"
+    return base / f"abi{ABI_TARGET[0]}.{ABI_TARGET[1]}-{'cuda' if cuda else 'cpu'}"
+
+
+def _cuda_buildable() -> bool:
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    return torch.version.cuda is not None and CUDA_HOME is not None
+
+
+def _sources(cuda: bool) -> list[str]:
+    root = csrc_dir()
+    files = sorted((root / "cpu").glob("*.cpp"))
+    if cuda:
+        files += sorted((root / "cuda").glob("*.cu"))
+    return [str(f) for f in files]
+
+
+def build(*, cuda: bool | None = None, verbose: bool = False) -> Path:
+    """Compile (if sources changed) and load the native library; returns its path.
+
+    ``cuda=None`` adds the CUDA kernels when torch is a CUDA build and ``nvcc`` is found.
+    Re-running is cheap: ninja rebuilds only what changed. A process loads the library once:
+    after the first load this returns that library (restart to load a rebuilt one).
+    """
+    from torch.utils import cpp_extension
+
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    cuda = _cuda_buildable() if cuda is None else cuda
+    out = cache_dir(cuda)
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("MAX_JOBS", str(min(4, os.cpu_count() or 1)))
+    path = cpp_extension.load(
+        name=LIBRARY,
+        sources=_sources(cuda),
+        extra_cflags=_CFLAGS,
+        extra_cuda_cflags=_NVCC_FLAGS,
+        build_directory=str(out),
+        is_python_module=False,
+        with_cuda=cuda,
+        verbose=verbose,
+    )
+    _loaded = Path(path) if path else out / f"{LIBRARY}.so"
+    return _loaded
+
+
+def load() -> bool:
+    """Load the cached library if a build exists (no compiler needed); True once loaded."""
+    global _loaded
+    if _loaded is not None:
+        return True
+    for cuda in (True, False) if torch.version.cuda else (False,):
+        libs = sorted(cache_dir(cuda).glob(f"{LIBRARY}*.so"), key=lambda p: p.stat().st_mtime)
+        if libs:
+            torch.ops.load_library(str(libs[-1]))
+            _loaded = libs[-1]
+            return True
+    return False
+
+
+def check_cuda_sources(out_dir: Path | None = None) -> list[Path]:
+    """Compile every ``csrc/cuda/*.cu`` to an object file with ``nvcc -c``; returns the objects.
+
+    Needs only ``nvcc`` and torch's headers (the CPU wheel ships the stable-ABI headers the
+    CUDA files use), so it runs where no CUDA build of torch or GPU exists.
+    """
+    from torch.utils.cpp_extension import include_paths
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        raise FileNotFoundError("nvcc is not on the PATH; install the CUDA toolkit")
+    out_dir = out_dir or cache_dir(True) / "check"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    includes = [f"-I{p}" for p in include_paths()]
+    objects = []
+    for src in sorted((csrc_dir() / "cuda").glob("*.cu")):
+        obj = out_dir / (src.stem + ".o")
+        cmd = [nvcc, "-c", str(src), "-o", str(obj), "-Xcompiler=-fPIC", *_NVCC_FLAGS, *includes]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"nvcc failed on {src.name}:\n{done.stderr}")
+        objects.append(obj)
+    return objects
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog=BUILD_COMMAND, description=__doc__.split("\n")[0])
+    parser.add_argument("--cuda", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--check-cuda", action="store_true", help="nvcc -c the CUDA sources only")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    if args.check_cuda:
+        objects = check_cuda_sources()
+        print(f"compiled {len(objects)} CUDA sources in {time.perf_counter() - start:.1f} s")
+        return
+    path = build(cuda=args.cuda, verbose=args.verbose)
+    print(f"built {path} in {time.perf_counter() - start:.1f} s")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,451 @@
+"""Native csrc ops (prime_rl::moe_permute / moe_unpermute, merge_attn_states,
+quantize_fp8_blockwise) against plain-PyTorch float64 references, on CPU.
+
+The module builds the library once per session (a cached build; a no-op when up to date), so
+the normal test run is what builds it in CI; without a C++ compiler or ninja the tests skip.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.library import opcheck
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from prime_ops import BackendUnavailable, native
+from prime_ops.native import build as native_build
+
+_FP8_MAX = 448.0
+
+
+@pytest.fixture(scope="session", autouse=True)
+def native_library():
+    if shutil.which("c++") is None or shutil.which("ninja") is None:
+        pytest.skip("the native ops need a C++ compiler (c++) and ninja to build")
+    return native_build.build()
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(0)
+
+
+# --- plain-PyTorch references -------------------------------------------------------------------
+
+
+def ref_permute(x, topk_idx, num_experts, alignment):
+    """Python loops over experts: expert-major, (token, slot) order within, zero padding."""
+    tokens, top_k = topk_idx.shape
+    flat = topk_idx.reshape(-1).long()
+    row_map = torch.full((tokens * top_k,), -1, dtype=torch.int64)
+    counts = torch.zeros(num_experts, dtype=torch.int64)
+    rows, row = [], 0
+    for e in range(num_experts):
+        slots = (flat == e).nonzero().flatten()
+        counts[e] = len(slots)
+        row_map[slots] = torch.arange(row, row + len(slots))
+        padded = -(-len(slots) // alignment) * alignment
+        segment = x.new_zeros(padded, x.shape[1])
+        segment[: len(slots)] = x[slots // top_k]
+        rows.append(segment)
+        row += padded
+    x_sorted = torch.cat(rows) if rows else x.new_zeros(0, x.shape[1])
+    return x_sorted, row_map.view(tokens, top_k), counts
+
+
+def ref_unpermute(y, row_map, w):
+    kept = (row_map >= 0).unsqueeze(-1)
+    gathered = torch.where(kept, y[row_map.clamp(min=0)], 0)
+    return (gathered.double() * w.double().unsqueeze(-1)).sum(1)
+
+
+def ref_merge(out_a, lse_a, out_b, lse_b):
+    lse = torch.logaddexp(lse_a.double(), lse_b.double())
+    finite = torch.where(lse == float("-inf"), 0.0, lse)
+    wa = torch.exp(lse_a.double() - finite).T.unsqueeze(-1)
+    wb = torch.exp(lse_b.double() - finite).T.unsqueeze(-1)
+    return out_a.double() * wa + out_b.double() * wb, lse
+
+
+def ref_quantize(x, block_rows, scale_format):
+    rows, cols = x.shape
+    pr, pc = (-rows) % block_rows, (-cols) % 128
+    blocks = torch.nn.functional.pad(x.double(), (0, pc, 0, pr))
+    blocks = blocks.view((rows + pr) // block_rows, block_rows, (cols + pc) // 128, 128)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12).float().double()
+    scale = (amax / _FP8_MAX).float().double()  # fp32 division, as the recipe does it
+    if scale_format == "ue8m0":
+        scale = torch.exp2(torch.ceil(torch.log2(amax / _FP8_MAX)))
+    full = scale.repeat_interleave(block_rows, 0).repeat_interleave(128, 1)[:rows, :cols]
+    q = (x.double() / full).float().clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale.float()
+
+
+def _routing(gen, tokens, top_k, num_experts, drop=0.2):
+    scores = torch.rand(tokens, num_experts, generator=gen)
+    idx = scores.topk(top_k, dim=1).indices
+    dropped = torch.rand(tokens, top_k, generator=gen) < drop
+    return idx.masked_fill(dropped, -1)
+
+
+# --- moe_permute / moe_unpermute -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("alignment", [1, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_permute_matches_reference(gen, alignment, dtype, index_dtype):
+    x = torch.randn(37, 24, generator=gen).to(dtype)
+    idx = _routing(gen, 37, 3, 6).to(index_dtype)
+    got = native.moe_permute(x, idx, 6, alignment)
+    want = ref_permute(x, idx, 6, alignment)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert got[0].shape[0] % alignment == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unpermute_matches_reference(gen, dtype):
+    x = torch.randn(29, 16, generator=gen)
+    idx = _routing(gen, 29, 4, 5)
+    _, row_map, _ = native.moe_permute(x, idx, 5, 128)
+    y = torch.randn(int(row_map.max()) + 3, 16, generator=gen).to(dtype)
+    w = torch.rand(29, 4, generator=gen)
+    got = native.moe_unpermute(y, row_map, w)
+    assert got.dtype == dtype
+    tol = {"rtol": 1e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {}
+    torch.testing.assert_close(got.double(), ref_unpermute(y, row_map, w), **tol)
+
+
+def test_unpermute_fp32_equals_the_eager_chain_bitwise(gen):
+    """The reference EP layer's chain: scatter rows back, multiply by weights, sum over slots."""
+    x = torch.randn(50, 32, generator=gen)
+    idx = torch.rand(50, 64, generator=gen).topk(8, dim=1).indices
+    order = torch.argsort(idx.flatten(), stable=True)
+    w = torch.rand(50, 8, generator=gen)
+    rows = torch.randn(400, 32, generator=gen)
+    slots = torch.empty_like(rows).index_copy(0, order, rows).view(-1, 8, 32)
+    chain = (slots * w.unsqueeze(-1)).sum(1)
+    x_sorted, row_map, _ = native.moe_permute(x, idx, 64, 1)
+    assert torch.equal(x_sorted, x[order // 8])
+    assert torch.equal(native.moe_unpermute(rows, row_map, w), chain)
+
+
+def test_permute_edge_cases(gen):
+    empty = native.moe_permute(torch.zeros(0, 8), torch.zeros(0, 2, dtype=torch.long), 4, 128)
+    assert empty[0].shape == (0, 8) and empty[1].shape == (0, 2) and empty[2].tolist() == [0] * 4
+
+    x = torch.randn(5, 8, generator=gen)
+    dropped = native.moe_permute(x, torch.full((5, 2), -1), 3, 128)
+    assert dropped[0].shape == (0, 8) and (dropped[1] == -1).all()
+    assert native.moe_unpermute(dropped[0], dropped[1], torch.ones(5, 2)).eq(0).all()
+
+    one = torch.full((5, 1), 2)
+    x_sorted, row_map, counts = native.moe_permute(x, one, 3, 128)
+    assert counts.tolist() == [0, 0, 5] and x_sorted.shape == (128, 8)
+    assert torch.equal(x_sorted[:5], x) and x_sorted[5:].eq(0).all()
+    assert row_map.flatten().tolist() == [0, 1, 2, 3, 4]
+
+
+def test_permute_rejects_bad_input():
+    x = torch.zeros(4, 8)
+    with pytest.raises(RuntimeError, match="expert id 7"):
+        native.moe_permute(x, torch.full((4, 2), 7), 4, 1)
+    with pytest.raises(ValueError, match="same T"):
+        native.moe_permute(x, torch.zeros(3, 2, dtype=torch.long), 4, 1)
+    with pytest.raises(ValueError, match="alignment"):
+        native.moe_permute(x, torch.zeros(4, 2, dtype=torch.long), 4, 0)
+    with pytest.raises(TypeError, match="topk_idx"):
+        native.moe_permute(x, torch.zeros(4, 2), 4, 1)
+    with pytest.raises(ValueError, match="one weight per"):
+        native.moe_unpermute(x, torch.zeros(4, 2, dtype=torch.long), torch.ones(4, 3))
+
+
+def test_permute_and_unpermute_are_adjoints(gen):
+    """<P x, g> == <x, P^T g> with P^T = unpermute with unit weights, and the autograd of each
+    is the other: moe_permute's backward sums rows back, moe_unpermute's scatters them."""
+    x = torch.randn(23, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    idx = _routing(gen, 23, 3, 4)
+    x_sorted, row_map, _ = native.moe_permute(x, idx, 4, 128)
+    g = torch.randn(x_sorted.shape, dtype=torch.float64, generator=gen)
+    back = native.moe_unpermute(g, row_map, torch.ones(23, 3, dtype=torch.float64))
+    torch.testing.assert_close((x_sorted * g).sum(), (x * back).sum())
+    (grad_x,) = torch.autograd.grad(x_sorted, x, g)
+    torch.testing.assert_close(grad_x, back, rtol=0, atol=0)
+
+
+def test_gradcheck_permute_and_unpermute(gen):
+    idx = _routing(gen, 9, 3, 4)
+    x = torch.randn(9, 5, dtype=torch.float64, generator=gen, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x: native.moe_permute(x, idx, 4, 4)[0], (x,))
+    _, row_map, _ = native.moe_permute(x.detach(), idx, 4, 4)
+    y = torch.randn(int(row_map.max()) + 2, 5, dtype=torch.float64, generator=gen)
+    w = torch.rand(9, 3, dtype=torch.float64, generator=gen)
+    y.requires_grad_(), w.requires_grad_()
+    assert torch.autograd.gradcheck(lambda y, w: native.moe_unpermute(y, row_map, w), (y, w))
+
+
+def test_unpermute_gradients_match_reference(gen):
+    """Including the padding rows (zero gradient) and the float32 weights of a bf16 layer."""
+    idx = _routing(gen, 17, 2, 3)
+    _, row_map, _ = native.moe_permute(torch.zeros(17, 4), idx, 3, 8)
+    y = torch.randn(int(row_map.max()) + 4, 12, generator=gen, requires_grad=True)
+    w = torch.rand(17, 2, generator=gen, requires_grad=True)
+    g = torch.randn(17, 12, generator=gen)
+    got = torch.autograd.grad(native.moe_unpermute(y, row_map, w), (y, w), g)
+    y64, w64 = y.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    want = torch.autograd.grad(ref_unpermute(y64, row_map, w64), (y64, w64), g.double())
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    tokens=st.integers(0, 24),
+    top_k=st.integers(1, 4),
+    num_experts=st.integers(1, 6),
+    dim=st.integers(1, 9),
+    alignment=st.sampled_from([1, 3, 128]),
+    drop=st.sampled_from([0.0, 0.3, 1.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_permute_round_trip_property(tokens, top_k, num_experts, dim, alignment, drop, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, dim, dtype=torch.float64, generator=gen)
+    idx = torch.randint(0, num_experts, (tokens, top_k), generator=gen)
+    idx = idx.masked_fill(torch.rand(tokens, top_k, generator=gen) < drop, -1)
+    got = native.moe_permute(x, idx, num_experts, alignment)
+    for g, w in zip(got, ref_permute(x, idx, num_experts, alignment), strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    w = torch.rand(tokens, top_k, dtype=torch.float64, generator=gen)
+    out = native.moe_unpermute(got[0], got[1], w)
+    want = (x.unsqueeze(1) * (w * (idx >= 0)).unsqueeze(-1)).sum(1)
+    torch.testing.assert_close(out, want)
+
+
+# --- merge_attn_states --------------------------------------------------------------------------
+
+
+def _states(gen, tokens=11, heads=3, dim=16, dtype=torch.float32):
+    out_a, out_b = (torch.randn(tokens, heads, dim, generator=gen).to(dtype) for _ in range(2))
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    lse_a, lse_b = (torch.randn(heads, tokens, generator=gen).to(lse_dtype) * 3 for _ in range(2))
+    lse_a[0, :3] = float("-inf")  # partly masked rows...
+    lse_b[0, 1:5] = float("-inf")  # ... and two rows with no key at all
+    return out_a, lse_a, out_b, lse_b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merge_matches_reference(gen, dtype):
+    states = _states(gen, dtype=dtype)
+    out, lse = native.merge_attn_states(*states)
+    want_out, want_lse = ref_merge(*states)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-6  # fp32 arithmetic vs a float64 reference
+    torch.testing.assert_close(out.double(), want_out, rtol=tol, atol=tol)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-6)
+    assert out[1:3, 0].eq(0).all() and lse[0, 1:3].eq(float("-inf")).all()
+
+
+def test_merge_gradcheck(gen):
+    """Rows masked on one side only: finite differences cannot step an lse = -inf output."""
+    out_a, lse_a, out_b, lse_b = _states(gen, 5, 2, 4, torch.float64)
+    lse_b[0, 1:3] = 0.5
+    states = [t.requires_grad_() for t in (out_a, lse_a, out_b, lse_b)]
+    assert torch.autograd.gradcheck(native.merge_attn_states, states)
+
+
+def test_merge_gradients_match_reference(gen):
+    """Only out feeds the loss (grad_lse is None), then both outputs do; -inf rows get 0."""
+    states = [t.requires_grad_() for t in _states(gen)]
+    ref_states = [t.detach().double().requires_grad_() for t in states]
+    g = torch.randn(11, 3, 16, generator=gen)
+    g_lse = torch.randn(3, 11, generator=gen)
+    for with_lse in (False, True):
+        out, lse = native.merge_attn_states(*states)
+        want_out, want_lse = ref_merge(*ref_states)
+        loss = (out * g).sum() + (lse.masked_fill(lse.isinf(), 0) * g_lse).sum() * with_lse
+        want = (want_out * g.double()).sum()
+        want = want + (want_lse.masked_fill(want_lse.isinf(), 0) * g_lse.double()).sum() * with_lse
+        got = torch.autograd.grad(loss, states)
+        for a, b in zip(got, torch.autograd.grad(want, ref_states), strict=True):
+            # torch.logaddexp's backward is nan where both inputs are -inf; the op's is 0.
+            undefined = b.isnan()
+            assert a[undefined].eq(0).all()
+            torch.testing.assert_close(a.double()[~undefined], b[~undefined], rtol=1e-5, atol=1e-5)
+        assert got[1][0, 1:3].eq(0).all() and got[3][0, 1:3].eq(0).all()
+
+
+def test_merge_rejects_bad_input(gen):
+    out_a, lse_a, out_b, lse_b = _states(gen)
+    with pytest.raises(ValueError, match=r"lse_a must be torch.float32 \[H, T\]"):
+        native.merge_attn_states(out_a, lse_a.T.contiguous(), out_b, lse_b)
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        native.merge_attn_states(out_a, lse_a, out_b.double(), lse_b)
+
+
+def test_merge_empty():
+    out, lse = native.merge_attn_states(
+        torch.zeros(0, 2, 4), torch.zeros(2, 0), torch.zeros(0, 2, 4), torch.zeros(2, 0)
+    )
+    assert out.shape == (0, 2, 4) and lse.shape == (2, 0)
+
+
+# --- quantize_fp8_blockwise ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block_rows", [1, 128])
+@pytest.mark.parametrize("scale_format", ["fp32", "ue8m0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_matches_reference(gen, block_rows, scale_format, dtype):
+    x = (torch.randn(200, 300, generator=gen) * torch.logspace(-3, 3, 300)).to(dtype)
+    x[150:, :128] = 0  # an all-zero block: amax clamps to 1e-12
+    q, scale = native.quantize_fp8_blockwise(x, block_rows, scale_format)
+    want_q, want_scale = ref_quantize(x, block_rows, scale_format)
+    assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+    assert scale.shape == (-(-200 // block_rows), 3)
+    torch.testing.assert_close(scale, want_scale, rtol=0, atol=0)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+def test_quantize_ue8m0_scales_are_powers_of_two_that_never_overflow(gen):
+    x = torch.randn(64, 512, generator=gen) * 10
+    x[0, 0] = 448 * 2.0**-3  # amax / 448 exactly a power of two: kept, not doubled
+    q, scale = native.quantize_fp8_blockwise(x, 1, "ue8m0")
+    mantissa, _ = torch.frexp(scale)
+    assert mantissa.eq(0.5).all()
+    assert scale[0, 0] == 2.0**-3
+    blocks = x.view(64, 4, 128)
+    assert (blocks.abs().amax(-1) / scale <= _FP8_MAX).all()
+    assert (blocks.abs().amax(-1) / scale > _FP8_MAX / 2).all()  # the smallest such power
+
+
+def test_quantize_equals_prime_ops_fp8_recipe(gen):
+    """Bitwise what prime_ops.fp8.quantize_blockwise (the GEMM ops' chain) produces."""
+    from prime_ops.fp8 import quantize_blockwise
+
+    for block_rows in (1, 128):
+        x = torch.randn(130, 260, generator=gen, dtype=torch.bfloat16)
+        q, s = native.quantize_fp8_blockwise(x, block_rows)
+        want_q, want_s = quantize_blockwise(x, block_rows)
+        assert torch.equal(s, want_s) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+def test_quantize_edge_cases_and_errors():
+    q, scale = native.quantize_fp8_blockwise(torch.zeros(0, 256), 128)
+    assert q.shape == (0, 256) and scale.shape == (0, 2)
+    with pytest.raises(ValueError, match="block_rows must be 1"):
+        native.quantize_fp8_blockwise(torch.zeros(4, 4), 64)
+    with pytest.raises(ValueError, match="scale_format"):
+        native.quantize_fp8_blockwise(torch.zeros(4, 4), 1, "e8m0")
+    x = torch.ones(2, 128, requires_grad=True)
+    q, scale = native.quantize_fp8_blockwise(x)
+    assert not q.requires_grad and not scale.requires_grad
+
+
+# --- op contract: opcheck, one operator per op, a missing build ----------------------------------
+
+
+def _opcheck_cases():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(13, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    idx = _routing(gen, 13, 2, 3)
+    x_sorted, row_map, _ = native.moe_permute(x.detach(), idx, 3, 4)
+    y = torch.randn(x_sorted.shape, dtype=torch.float64, generator=gen, requires_grad=True)
+    w = torch.rand(13, 2, dtype=torch.float64, generator=gen, requires_grad=True)
+    g = torch.randn(13, 8, dtype=torch.float64, generator=gen)
+    states = [t.requires_grad_() for t in _states(gen, 6, 2, 8, torch.float64)]
+    return {
+        "moe_permute": (x, idx, 3, 4),
+        "moe_permute_backward": (y.detach(), row_map),
+        "moe_unpermute": (y, row_map, w),
+        "moe_unpermute_backward": (g, y.detach(), row_map, w.detach()),
+        "merge_attn_states": tuple(states),
+        "merge_attn_states_backward": (
+            torch.randn(6, 2, 8, dtype=torch.float64),
+            None,
+            *[s.detach() for s in states],
+        ),
+        "quantize_fp8_blockwise": (torch.randn(130, 200, generator=gen), 128, "ue8m0"),
+    }
+
+
+@pytest.mark.parametrize("name", list(native._SCHEMAS))
+def test_opcheck(name):
+    opcheck(getattr(torch.ops.prime_rl, name), _opcheck_cases()[name])
+
+
+def test_each_op_is_one_operator(gen):
+    """What a prime_ac policy sees: one prime_rl operator per call, not a chain of aten ops."""
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.name())
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(8, 4, generator=gen)
+    idx = _routing(gen, 8, 2, 3)
+    with Record() as seen:
+        x_sorted, row_map, _ = native.moe_permute(x, idx, 3, 1)
+        native.moe_unpermute(x_sorted, row_map, torch.ones(8, 2))
+        native.merge_attn_states(*_states(gen))
+        native.quantize_fp8_blockwise(x)
+    names = [n for n in seen.names if not n.startswith("aten::")]
+    assert names == [
+        "prime_rl::moe_permute",
+        "prime_rl::moe_unpermute",
+        "prime_rl::merge_attn_states",
+        "prime_rl::quantize_fp8_blockwise",
+    ]
+
+
+def test_unbuilt_library_raises_backend_unavailable(monkeypatch):
+    monkeypatch.setattr(native_build, "load", lambda: False)
+    kernel = native._unavailable("moe_permute")
+    with pytest.raises(BackendUnavailable, match="python -m prime_ops.native.build"):
+        kernel(torch.zeros(2, 4), torch.zeros(2, 1, dtype=torch.long), 2, 1)
+
+
+def test_fakes_work_without_kernels():
+    """Meta tensors (and so torch.compile's tracing) never need the built library."""
+    x = torch.empty(16, 256, device="meta")
+    q, scale = native.quantize_fp8_blockwise(x, 128, "ue8m0")
+    assert q.shape == (16, 256) and scale.shape == (1, 2)
+    out, lse = native.merge_attn_states(
+        torch.empty(4, 2, 8, device="meta"),
+        torch.empty(2, 4, device="meta"),
+        torch.empty(4, 2, 8, device="meta"),
+        torch.empty(2, 4, device="meta"),
+    )
+    assert out.shape == (4, 2, 8) and lse.shape == (2, 4)
+
+
+@pytest.mark.slow
+def test_compiles_in_one_graph(gen):
+    def layer(x, idx, w):
+        x_sorted, row_map, _ = native.moe_permute(x, idx, 4, 1)
+        return native.moe_unpermute(torch.tanh(x_sorted), row_map, w)
+
+    x = torch.randn(12, 8, generator=gen, requires_grad=True)
+    idx, w = _routing(gen, 12, 2, 4), torch.rand(12, 2, generator=gen)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x, idx, w), layer(x, idx, w), rtol=0, atol=0)
+    grad = torch.autograd.grad(compiled(x, idx, w).sum(), x)[0]
+    torch.testing.assert_close(grad, torch.autograd.grad(layer(x, idx, w).sum(), x)[0])
+
+
+@pytest.mark.slow
+def test_cuda_sources_compile(tmp_path):
+    """nvcc -c of every csrc/cuda file against torch's headers: no GPU or CUDA torch needed."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not on the PATH")
+    objects = native_build.check_cuda_sources(tmp_path)
+    assert len(objects) == 3 and all(o.stat().st_size > 0 for o in objects)
