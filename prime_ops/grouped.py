@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from prime_ops._compat import assert_async
+
 __all__ = ["check_offsets_meta", "check_offsets_values"]
 
 
@@ -29,7 +31,7 @@ def check_offsets_values(offsets: torch.Tensor, rows: int) -> None:
     steps = torch.diff(offsets, prepend=offsets.new_zeros(1))
     ok = (steps >= 0).all() & (offsets[-1] == rows)
     if offsets.device.type != "cpu":
-        torch._assert_async(ok, "offsets must be non-decreasing and end at the row count of x")
+        assert_async(ok, "offsets must be non-decreasing and end at the row count of x")
     elif not bool(ok):
         raise ValueError(
             f"offsets must be non-decreasing cumulative row ends that finish at the row count "

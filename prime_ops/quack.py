@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from prime_ops._compat import registered_op_names
 from prime_ops.backends import import_backend
 from prime_ops.grouped import check_offsets_meta, check_offsets_values
 
@@ -63,7 +64,7 @@ OP_NAMES = (
 
 def _check_names_free(names) -> None:
     """Refuse to register over an op QuACK (or anyone) already defines in namespace ``quack``."""
-    registered = set(torch._C._dispatch_get_all_op_names())
+    registered = registered_op_names()
     taken = sorted(n for n in names if n in QUACK_OP_NAMES or f"quack::{n}" in registered)
     if taken:
         raise RuntimeError(

@@ -6,7 +6,8 @@ from itertools import pairwise
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import is_fake
+
+from prime_ops._compat import is_fake
 
 __all__ = ["can_read", "shard_cu_seqlens", "spans"]
 
