@@ -215,15 +215,26 @@ def _is_stack(module: nn.Module) -> bool:
 
 
 def _walk(
-    module: nn.Module, prefix: str, take: Callable[[str, nn.Module], bool]
+    module: nn.Module,
+    prefix: str,
+    take: Callable[[str, nn.Module], bool],
+    seen: set[int] | None = None,
 ) -> Iterator[tuple[str, nn.Module]]:
-    """Pre-order walk that yields the modules ``take`` accepts and never descends into them."""
+    """Pre-order walk that yields the modules ``take`` accepts and never descends into them.
+
+    A module reachable by several paths (a layer shared between blocks) is visited once, under
+    its first path, as ``named_modules`` does.
+    """
+    seen = set() if seen is None else seen
     for name, child in module.named_children():
+        if id(child) in seen:
+            continue
+        seen.add(id(child))
         path = f"{prefix}.{name}" if prefix else name
         if take(path, child):
             yield path, child
         else:
-            yield from _walk(child, path, take)
+            yield from _walk(child, path, take, seen)
 
 
 def _named_children(container: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
@@ -266,7 +277,20 @@ def find_blocks(
                 "blocks='model.layers', blocks=['double_blocks', 'single_blocks'], or "
                 "blocks=lambda name, module: isinstance(module, MyBlock)."
             )
-        return [_named_children(stack, path) for path, stack in stacks]
+        # a stack whose blocks all live inside other stacks' blocks holds shared layers (Zamba2's
+        # shared attention, registered once more on its own): those blocks are the real ones
+        inside = {
+            id(m)
+            for _, stack in stacks
+            for block in stack.children()
+            for m in block.modules()
+            if m is not block
+        }
+        return [
+            _named_children(stack, path)
+            for path, stack in stacks
+            if not all(id(block) in inside for block in stack.children())
+        ]
     if callable(blocks) and not isinstance(blocks, str):
         group = list(_walk(model, "", blocks))
         if not group:

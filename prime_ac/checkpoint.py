@@ -97,7 +97,7 @@ def checkpoint_blocks(
         for index, (name, block) in enumerate(group)
         if index % config.freq == 0
     ]
-    _check_not_nested([name for name, _ in selected])
+    _check_not_nested(selected)
     if auto and isinstance(config.budget, Mapping):
         _check_budget_names(config.budget, [name for name, _ in selected])
 
@@ -189,14 +189,20 @@ def _describe(value: Any) -> str:
     return f"{type(value).__name__} {value!r}"[:200]
 
 
-def _check_not_nested(names: list[str]) -> None:
-    for name in names:
-        outer = next((o for o in names if name.startswith(o + ".")), None)
-        if outer is not None:
+def _check_not_nested(selected: list[tuple[str, nn.Module]]) -> None:
+    names: dict[int, str] = {}
+    for name, block in selected:
+        if names.setdefault(id(block), name) != name:
             raise ValueError(
-                f"blocks= selects {name!r} inside the selected block {outer!r}: checkpoint "
-                "regions cannot nest. Select one level."
+                f"blocks= selects one block twice, as {names[id(block)]!r} and {name!r}"
             )
+    for name, block in selected:
+        for inner in block.modules():
+            if inner is not block and id(inner) in names:
+                raise ValueError(
+                    f"blocks= selects {names[id(inner)]!r} inside the selected block {name!r}: "
+                    "checkpoint regions cannot nest. Select one level."
+                )
 
 
 def _check_budget_names(budget: Mapping[str, int], names: list[str]) -> None:
