@@ -3,9 +3,12 @@
 ``varlen_attention(..., backend="sdpa"|"fa2"|"fa3"|"fa4")`` and
 ``ring_attention(..., group=..., backend=...)`` are the entry points; importing this module
 registers every op (schema, fake, autograd) without importing any kernel library.
+``sparse_mla(..., backend="reference"|"triton"|"flashmla")`` is DeepSeek sparse attention,
+registered as ``prime_rl::sparse_mla`` (the name prime-rl's target lists use).
 """
 
+from prime_ops.attn.mla import sparse_mla
 from prime_ops.attn.ring import ring_attention
 from prime_ops.attn.varlen import BACKENDS, varlen_attention
 
-__all__ = ["BACKENDS", "ring_attention", "varlen_attention"]
+__all__ = ["BACKENDS", "ring_attention", "sparse_mla", "varlen_attention"]
