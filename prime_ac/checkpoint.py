@@ -192,10 +192,9 @@ def _describe(value: Any) -> str:
 def _check_not_nested(selected: list[tuple[str, nn.Module]]) -> None:
     names: dict[int, str] = {}
     for name, block in selected:
-        if names.setdefault(id(block), name) != name:
-            raise ValueError(
-                f"blocks= selects one block twice, as {names[id(block)]!r} and {name!r}"
-            )
+        if id(block) in names:
+            raise ValueError(f"blocks= selects {name!r} twice (also as {names[id(block)]!r})")
+        names[id(block)] = name
     for name, block in selected:
         for inner in block.modules():
             if inner is not block and id(inner) in names:

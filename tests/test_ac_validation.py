@@ -1,0 +1,236 @@
+"""What checkpoint_blocks tells the user, and that a failing call leaves the model as it was.
+
+Covers: a block's own keyword arguments reach it; operators without a ``.default`` overload are
+valid targets; misleading or ignored arguments raise ValueError/TypeError naming the argument
+before the model changes; unknown targets are reported on every call; FLOP formulas for grouped
+and scaled GEMMs.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+
+import pytest
+import torch
+from ac_models import CountingModel, assert_bitwise_equal, grads
+from torch import nn
+
+import prime_ac
+from prime_ac.measure import operator_flops
+from prime_ac.targets import Target
+
+# --- item 4: every argument of the block reaches the block ---------------------------------------
+
+KWARGS = ("early_stop", "debug", "determinism_check", "use_reentrant", "context_fn")
+
+
+class KwargBlock(nn.Module):
+    """Uses the keyword names torch.utils.checkpoint takes for itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, *, scale, preserve_rng_state=False, **flags):
+        assert sorted(flags) == sorted(KWARGS), flags
+        out = torch.tanh(self.lin(x)) * scale
+        return out * 2 if preserve_rng_state and flags["debug"] == "yes" else out
+
+
+class KwargModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(KwargBlock() for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            flags = dict.fromkeys(KWARGS, "yes")
+            x = layer(x, scale=torch.tensor(0.5), preserve_rng_state=True, **flags)
+        return x.sum()
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_the_blocks_own_keyword_arguments_reach_it(mode):
+    torch.manual_seed(0)
+    model, x = KwargModel(), torch.randn(3, 4)
+    reference = copy.deepcopy(model)
+    expected = reference(x)
+    expected.backward()
+    prime_ac.checkpoint_blocks(model, mode=mode)
+    out = model(x)
+    out.backward()
+    assert torch.equal(out, expected)
+    assert_bitwise_equal(grads(model), grads(reference))
+
+
+# --- item 6: targets ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", ["aten::mul", "aten::add", "aten::mul.Tensor", "aten::mm"])
+def test_operators_without_a_default_overload_are_valid_targets(target):
+    assert Target.parse(target).problem() is None
+    prime_ac.checkpoint_blocks(CountingModel(), mode="selective", targets=[target], strict=True)
+
+
+def test_target_problems_say_what_is_wrong():
+    assert "only mutates its arguments" in Target.parse("aten::add_").problem()
+    assert Target.parse("aten::nonexistent").problem() == "names no registered operator"
+    reason = Target.parse("aten::mul.bogus").problem()
+    assert "no registered overload" in reason and "Tensor" in reason
+    assert Target.parse("aten::add_").problem(mandatory=True) is None  # kept so it runs once
+
+
+def test_a_kept_multiply_is_really_kept():
+    model, x = KwargModel(), torch.randn(3, 4)
+    prime_ac.checkpoint_blocks(model, mode="selective", targets=["aten::mul"])
+    report = prime_ac.audit(model, lambda m: m(x))
+    assert {r.decision for r in report.ops if r.op == "aten::mul.Tensor"} == {"kept"}
+
+
+def test_unknown_targets_are_reported_on_every_call(caplog):
+    for _ in range(2):  # a second model in the same process is warned too
+        with caplog.at_level(logging.WARNING, logger="prime_ac"):
+            caplog.clear()
+            prime_ac.checkpoint_blocks(
+                CountingModel(), mode="selective", targets=["aten::mm", "nosuchns::op"]
+            )
+        assert ["nosuchns::op" in r.getMessage() for r in caplog.records] == [True]
+
+
+# --- item 6: arguments that would be ignored or are malformed -------------------------------------
+
+
+def _state(model):
+    """Everything checkpoint_blocks may change: each module's class and checkpoint settings."""
+    return [(n, type(m), m.__dict__.get("_prime_ac")) for n, m in model.named_modules()]
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"targets": ["aten::mm"]}, ValueError, r"targets=\['aten::mm'\].*mode='selective'"),
+        ({"mode": "full", "targets": ["aten::mm"]}, ValueError, "mode='full'"),
+        ({"config": prime_ac.ACConfig("selective"), "freq": 2}, ValueError, "freq="),
+        ({"config": prime_ac.ACConfig("selective"), "mode": "full"}, ValueError, "mode="),
+        ({"config": {"mode": "full"}}, TypeError, r"ACConfig.from_dict"),
+        ({"config": "selective"}, TypeError, "config="),
+        ({"blocks": []}, ValueError, r"blocks=\[\] selects no block"),
+        ({"blocks": 42}, TypeError, "blocks=42"),
+        ({"blocks": lambda name, m: False}, ValueError, "accepted no module"),
+        ({"blocks": ["layers", "layers"]}, ValueError, "selects .layers.0. twice"),
+        ({"mode": "selective", "targets": "auto", "budget": math.nan, "profile": len}, ValueError, "budget=nan"),
+        ({"mode": "selective", "targets": "auto", "budget": math.inf, "profile": len}, ValueError, "budget=inf"),
+        ({"mode": "selective", "targets": "auto", "budget": {"layers.9": 10}, "profile": len}, ValueError, r"\['layers.9'\], which are not blocks"),
+        ({"mode": "selective", "targets": "auto", "budget": {"layers.0": 10}, "profile": len}, ValueError, r"no entry for checkpointed block\(s\) \['layers.1'"),
+        ({"mode": "selective", "targets": "auto", "budget": 0.5, "profile": 3}, TypeError, "profile=3 is not callable"),
+        ({"mode": "selective", "profile": len}, ValueError, 'profile= applies only with targets="auto"'),
+        ({"mandatory": ["aten:mm"]}, ValueError, "aten:mm"),
+    ],
+)  # fmt: skip
+def test_bad_arguments_raise_naming_them_before_the_model_changes(kwargs, error, message):
+    model = CountingModel()
+    prime_ac.checkpoint_blocks(model, mode="selective", freq=2)
+    before = _state(model)
+    with pytest.raises(error, match=message):
+        prime_ac.checkpoint_blocks(model, **kwargs)
+    assert _state(model) == before
+
+
+def test_nested_selections_raise():
+    inner = nn.Sequential(nn.Sequential(nn.Linear(2, 2)), nn.Sequential(nn.Linear(2, 2)))
+    model = nn.Sequential(inner, nn.Sequential(nn.Linear(2, 2)))
+    with pytest.raises(ValueError, match="selects '0.0' inside the selected block '0'"):
+        prime_ac.checkpoint_blocks(model, blocks=["", "0"])
+    assert not any(type(m).__name__.startswith("Checkpointed") for m in model.modules())
+
+
+def test_a_non_module_model_is_a_type_error():
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got dict"):
+        prime_ac.checkpoint_blocks({"layers": []})
+
+
+def test_a_config_with_arguments_it_does_not_set_is_fine():
+    model = CountingModel()
+    config = prime_ac.ACConfig.from_dict({"mode": "selective", "freq": 2})
+    assert prime_ac.checkpoint_blocks(model, config=config, blocks="layers") == [
+        "layers.0",
+        "layers.2",
+    ]
+
+
+# --- issue 17: all or nothing -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "profile, error, message",
+    [
+        (lambda m: 1 / 0, ZeroDivisionError, "division"),
+        (lambda m: None, TypeError, "profile= must return the loss"),
+        (lambda m: torch.ones(3), TypeError, r"shape \(3,\)"),
+    ],
+)
+def test_a_failing_profile_leaves_every_block_as_it_was(profile, error, message):
+    model = CountingModel()
+    prime_ac.checkpoint_blocks(model, mode="selective", targets=["aten::mm"], freq=2)
+    before = _state(model)
+    with pytest.raises(error, match=message):
+        prime_ac.checkpoint_blocks(
+            model, mode="selective", targets="auto", budget=0.5, profile=profile
+        )
+    assert _state(model) == before
+    assert [n for n, _ in prime_ac.blocks.wrapped_blocks(model)] == ["layers.0", "layers.2"]
+
+
+def test_a_failing_profile_on_a_plain_model_leaves_it_plain():
+    model = CountingModel()
+    before = _state(model)
+    with pytest.raises(ZeroDivisionError):
+        prime_ac.checkpoint_blocks(
+            model, mode="selective", targets="auto", budget=0.5, profile=lambda m: 1 / 0
+        )
+    assert _state(model) == before
+    assert all(type(layer).__name__ == "CountingBlock" for layer in model.layers)
+
+
+# --- item 6: FLOPs ------------------------------------------------------------------------------
+
+
+def _flops(op, *args):
+    return operator_flops(op, args, {}, op(*args))
+
+
+def test_grouped_mm_flops_are_2mnk_per_group():
+    g, m, k, n = 3, 5, 4, 8  # CPU kernel: strides multiple of 16 bytes
+    offs = torch.tensor([2, 7, 15], dtype=torch.int32)
+    a, b = torch.randn(15, k), torch.randn(g, k, n)  # groups along M (MoE experts)
+    assert _flops(torch.ops.aten._grouped_mm.default, a, b, offs) == 2 * 15 * k * n
+    a3 = torch.randn(g, m, k)  # batched
+    assert _flops(torch.ops.aten._grouped_mm.default, a3, b) == 2 * g * m * k * n
+    a2, b2 = torch.randn(m, 12), torch.randn(12, n)  # groups along K (weight gradients)
+    offs_k = torch.tensor([4, 8, 12], dtype=torch.int32)
+    assert _flops(torch.ops.aten._grouped_mm.default, a2, b2, offs_k) == 2 * m * 12 * n
+
+
+def test_scaled_gemm_flops():
+    # formulas read shapes only: check them on meta tensors (the kernels need a GPU)
+    out = torch.empty(15, 6, device="meta")
+    a, b = torch.empty(15, 4, device="meta"), torch.empty(3, 4, 6, device="meta")
+    args = (a, b, torch.empty(15, device="meta"), torch.empty(3, 6, device="meta"))
+    grouped = torch.ops.aten._scaled_grouped_mm.default
+    assert operator_flops(grouped, args, {}, out) == 2 * 15 * 4 * 6
+    a, b = torch.empty(5, 4, device="meta"), torch.empty(4, 6, device="meta")
+    scaled = torch.ops.aten._scaled_mm.default
+    one = torch.empty((), device="meta")
+    assert operator_flops(scaled, (a, b, one, one), {}, torch.empty(5, 6, device="meta")) == (
+        2 * 5 * 4 * 6
+    )
+
+
+def test_flex_attention_flops_count_like_sdpa():
+    b, h, s, d = 1, 2, 8, 4
+    q, k, v = (torch.randn(b, h, s, d) for _ in range(3))
+    flex = torch.ops.higher_order.flex_attention  # a higher-order op: no overload packet
+    # 2 * s * s * d for q @ k^T and again for p @ v, per batch and head
+    assert operator_flops(flex, (q, k, v), {}, None) == b * h * 2 * (2 * s * s * d)
