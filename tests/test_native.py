@@ -410,7 +410,7 @@ def test_each_op_is_one_operator(gen):
 def test_unbuilt_library_raises_backend_unavailable(monkeypatch):
     monkeypatch.setattr(native_build, "load", lambda: False)
     kernel = native._unavailable("moe_permute")
-    with pytest.raises(BackendUnavailable, match="python -m prime_ops.native.build"):
+    with pytest.raises(BackendUnavailable, match="python -m prime_ops.native"):
         kernel(torch.zeros(2, 4), torch.zeros(2, 1, dtype=torch.long), 2, 1)
 
 

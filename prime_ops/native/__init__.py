@@ -13,7 +13,7 @@ it is one name that autograd, torch.compile and ``prime_ac`` policies see:
 
 Schemas, fakes and autograd are registered at import, so the ops trace and compile on any
 machine; the kernels come from a cached build (:mod:`prime_ops.native.build`). A call before
-``python -m prime_ops.native.build`` ran raises :class:`~prime_ops.BackendUnavailable`.
+``python -m prime_ops.native`` ran raises :class:`~prime_ops.BackendUnavailable`.
 
 >>> x_sorted, row_map, counts = moe_permute(x, topk_idx, num_experts=64, alignment=128)
 >>> out = moe_unpermute(expert_fn(x_sorted), row_map, topk_weights)

@@ -1,13 +1,13 @@
 """Build and load the native kernels in ``csrc/``: a cached build, run once per machine.
 
-``python -m prime_ops.native.build`` compiles the C++ (and, with a CUDA build of torch and
+``python -m prime_ops.native`` compiles the C++ (and, with a CUDA build of torch and
 ``nvcc``, the CUDA) sources with ``torch.utils.cpp_extension`` into a cache directory and loads
 the library; later processes load the cached library without a compiler. The kernels use only
 the LibTorch stable ABI, targeting torch 2.10, so one build keeps loading after torch upgrades.
 Nothing is compiled at ``pip install`` time: the package installs and imports where no compiler
 exists, and the native ops raise :class:`~prime_ops.BackendUnavailable` until the build ran.
 
-``python -m prime_ops.native.build --check-cuda`` compiles the CUDA sources to object files
+``python -m prime_ops.native --check-cuda`` compiles the CUDA sources to object files
 only (no CUDA torch or GPU needed), which is how CI keeps a CUDA build error from landing.
 """
 
@@ -17,7 +17,6 @@ import argparse
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -27,7 +26,7 @@ __all__ = ["BUILD_COMMAND", "build", "cache_dir", "check_cuda_sources", "csrc_di
 
 _loaded: Path | None = None  # the library this process loaded (a process can load it once)
 
-BUILD_COMMAND = "python -m prime_ops.native.build"
+BUILD_COMMAND = "python -m prime_ops.native"
 LIBRARY = "prime_ops_native"
 ABI_TARGET = (2, 10)  # oldest torch whose stable ABI the library may load into
 _TARGET = f"-DTORCH_TARGET_VERSION=0x{ABI_TARGET[0]:02x}{ABI_TARGET[1]:02x}000000000000"
@@ -127,13 +126,16 @@ def check_cuda_sources(out_dir: Path | None = None) -> list[Path]:
     out_dir = out_dir or cache_dir(True) / "check"
     out_dir.mkdir(parents=True, exist_ok=True)
     includes = [f"-I{p}" for p in include_paths()]
-    objects = []
-    for src in sorted((csrc_dir() / "cuda").glob("*.cu")):
+    jobs = []
+    for src in sorted((csrc_dir() / "cuda").glob("*.cu")):  # one nvcc per file, in parallel
         obj = out_dir / (src.stem + ".o")
         cmd = [nvcc, "-c", str(src), "-o", str(obj), "-Xcompiler=-fPIC", *_NVCC_FLAGS, *includes]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"nvcc failed on {src.name}:\n{done.stderr}")
+        jobs.append((src, obj, subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)))
+    objects = []
+    for src, obj, job in jobs:
+        _, err = job.communicate()
+        if job.returncode:
+            raise RuntimeError(f"nvcc failed on {src.name}:\n{err}")
         objects.append(obj)
     return objects
 
@@ -151,7 +153,3 @@ def main(argv: list[str] | None = None) -> None:
         return
     path = build(cuda=args.cuda, verbose=args.verbose)
     print(f"built {path} in {time.perf_counter() - start:.1f} s")
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

@@ -1,0 +1,292 @@
+// MoE token permutation on CUDA: the same layout as the CPU kernel (csrc/cpu/moe_permute.cpp).
+//
+// Row positions come from per-chunk expert histograms, a prefix sum over (expert, chunk) and a
+// rank within the chunk, so they are stable and deterministic; the output row count is read
+// back once (one host sync) to allocate x_sorted. Sums run over slots in order, one block per
+// token (no floating-point atomics).
+#include "cuda_common.cuh"
+
+#include <tuple>
+
+namespace prime_ops {
+namespace {
+
+constexpr int kChunk = 256;  // (token, slot) pairs per chunk; one thread each
+
+template <typename index_t>
+__global__ void histogram_kernel(const index_t* idx, int64_t slots, int64_t experts,
+                                 int64_t* hist, int* bad) {
+  extern __shared__ int counts[];
+  for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) counts[e] = 0;
+  __syncthreads();
+  const int64_t s = blockIdx.x * int64_t(kChunk) + threadIdx.x;
+  if (s < slots) {
+    const int64_t e = idx[s];
+    if (e >= 0 && e < experts) {
+      atomicAdd(&counts[e], 1);  // integer counts: order does not matter
+    } else if (e != -1) {
+      *bad = 1;
+    }
+  }
+  __syncthreads();
+  for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) {
+    hist[blockIdx.x * experts + e] = counts[e];
+  }
+}
+
+// One block: start[c * E + e] = first row of chunk c's slots for expert e; counts; total rows.
+__global__ void offsets_kernel(int64_t* start, int64_t chunks, int64_t experts, int64_t alignment,
+                               int64_t* counts, int64_t* total) {
+  extern __shared__ int64_t seg[];  // padded segment size per expert, then its start
+  for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) {
+    int64_t count = 0;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t h = start[c * experts + e];
+      start[c * experts + e] = count;
+      count += h;
+    }
+    counts[e] = count;
+    seg[e] = (count + alignment - 1) / alignment * alignment;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int64_t row = 0;
+    for (int64_t e = 0; e < experts; ++e) {
+      const int64_t size = seg[e];
+      seg[e] = row;
+      row += size;
+    }
+    *total = row;
+  }
+  __syncthreads();
+  for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) {
+    for (int64_t c = 0; c < chunks; ++c) start[c * experts + e] += seg[e];
+  }
+}
+
+template <typename index_t>
+__global__ void assign_kernel(const index_t* idx, int64_t slots, int64_t experts,
+                              const int64_t* start, int64_t* row_map) {
+  __shared__ int64_t ids[kChunk];
+  const int64_t s = blockIdx.x * int64_t(kChunk) + threadIdx.x;
+  const int64_t e = s < slots ? int64_t(idx[s]) : -1;
+  ids[threadIdx.x] = e;
+  __syncthreads();
+  if (s >= slots) return;
+  if (e < 0) {
+    row_map[s] = -1;
+    return;
+  }
+  int64_t rank = 0;
+  for (int j = 0; j < threadIdx.x; ++j) rank += ids[j] == e;
+  row_map[s] = start[blockIdx.x * experts + e] + rank;
+}
+
+// One block per (token, slot): copy the token's row, in 4-byte words when rows allow it.
+template <typename word_t>
+__global__ void copy_rows_kernel(const word_t* x, const int64_t* row_map, int64_t top_k,
+                                 int64_t words, word_t* out) {
+  const int64_t s = blockIdx.x;
+  const int64_t r = row_map[s];
+  if (r < 0) return;
+  const word_t* src = x + (s / top_k) * words;
+  word_t* dst = out + r * words;
+  for (int64_t i = threadIdx.x; i < words; i += blockDim.x) dst[i] = src[i];
+}
+
+template <typename index_t>
+void route(const Tensor& topk_idx, int64_t experts, int64_t alignment, Tensor& row_map,
+           Tensor& counts, Tensor& start, Tensor& scratch, cudaStream_t stream) {
+  const int64_t slots = topk_idx.numel(), chunks = ceil_div(slots, kChunk);
+  const index_t* idx = topk_idx.const_data_ptr<index_t>();
+  int64_t* starts = start.mutable_data_ptr<int64_t>();
+  int64_t* total = scratch.mutable_data_ptr<int64_t>();
+  int* bad = reinterpret_cast<int*>(total + 1);
+  histogram_kernel<<<chunks, kChunk, experts * sizeof(int), stream>>>(idx, slots, experts,
+                                                                      starts, bad);
+  check_launch();
+  offsets_kernel<<<1, 256, experts * sizeof(int64_t), stream>>>(
+      starts, chunks, experts, alignment, counts.mutable_data_ptr<int64_t>(), total);
+  check_launch();
+  assign_kernel<<<chunks, kChunk, 0, stream>>>(idx, slots, experts, starts,
+                                               row_map.mutable_data_ptr<int64_t>());
+  check_launch();
+}
+
+std::tuple<Tensor, Tensor, Tensor> moe_permute(Tensor x, Tensor topk_idx, int64_t num_experts,
+                                               int64_t alignment) {
+  check_dim(x, 2, "x");
+  check_dim(topk_idx, 2, "topk_idx");
+  check_contiguous(x, "x");
+  check_contiguous(topk_idx, "topk_idx");
+  STD_TORCH_CHECK(num_experts > 0 && alignment > 0, "num_experts and alignment must be > 0");
+  torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
+  cudaStream_t stream = current_stream(x);
+  const int64_t tokens = topk_idx.size(0), top_k = topk_idx.size(1), dim = x.size(1);
+  const int64_t chunks = ceil_div(tokens * top_k, kChunk);
+  Tensor row_map = torch::stable::new_empty(topk_idx, {tokens, top_k}, ScalarType::Long);
+  Tensor counts = torch::stable::new_zeros(topk_idx, {num_experts}, ScalarType::Long);
+  Tensor start = torch::stable::new_empty(topk_idx, {chunks * num_experts}, ScalarType::Long);
+  Tensor scratch = torch::stable::new_zeros(topk_idx, {2}, ScalarType::Long);  // rows, bad id
+  if (tokens * top_k > 0) {
+    if (topk_idx.scalar_type() == ScalarType::Long) {
+      route<int64_t>(topk_idx, num_experts, alignment, row_map, counts, start, scratch, stream);
+    } else {
+      STD_TORCH_CHECK(topk_idx.scalar_type() == ScalarType::Int, "topk_idx must be int64/int32");
+      route<int32_t>(topk_idx, num_experts, alignment, row_map, counts, start, scratch, stream);
+    }
+  }
+  int64_t host[2];
+  STD_TORCH_CHECK(cudaMemcpyAsync(host, scratch.const_data_ptr(), sizeof host,
+                                  cudaMemcpyDeviceToHost, stream) == cudaSuccess);
+  STD_TORCH_CHECK(cudaStreamSynchronize(stream) == cudaSuccess, "moe_permute: sync failed");
+  STD_TORCH_CHECK(host[1] == 0, "topk_idx holds an expert id outside [-1, num_experts=",
+                  num_experts, ")");
+  const int64_t rows = host[0];
+  Tensor sorted = alignment > 1 ? torch::stable::new_zeros(x, {rows, dim})
+                                : torch::stable::new_empty(x, {rows, dim});
+  const int64_t row_bytes = dim * static_cast<int64_t>(x.element_size());
+  if (tokens * top_k > 0 && row_bytes > 0) {
+    const int threads = 128;
+    if (row_bytes % 4 == 0) {
+      copy_rows_kernel<<<tokens * top_k, threads, 0, stream>>>(
+          static_cast<const uint32_t*>(x.const_data_ptr()), row_map.const_data_ptr<int64_t>(),
+          top_k, row_bytes / 4, static_cast<uint32_t*>(sorted.mutable_data_ptr()));
+    } else {
+      copy_rows_kernel<<<tokens * top_k, threads, 0, stream>>>(
+          static_cast<const uint8_t*>(x.const_data_ptr()), row_map.const_data_ptr<int64_t>(),
+          top_k, row_bytes, static_cast<uint8_t*>(sorted.mutable_data_ptr()));
+    }
+    check_launch();
+  }
+  return {sorted, row_map, counts};
+}
+
+// One block per token: out[t] = sum_k w[t, k] * rows[row_map[t, k]], slots in order.
+template <typename scalar_t, typename weight_t>
+__global__ void gather_sum_kernel(const scalar_t* rows, const int64_t* row_map,
+                                  const weight_t* w, int64_t top_k, int64_t dim, scalar_t* out) {
+  using acc = acc_t<scalar_t>;
+  const int64_t t = blockIdx.x;
+  for (int64_t d = threadIdx.x; d < dim; d += blockDim.x) {
+    acc sum = 0;
+    for (int64_t k = 0; k < top_k; ++k) {
+      const int64_t r = row_map[t * top_k + k];
+      if (r < 0) continue;
+      const acc wk = w == nullptr ? acc(1) : static_cast<acc>(w[t * top_k + k]);
+      sum += wk * static_cast<acc>(rows[r * dim + d]);
+    }
+    out[t * dim + d] = static_cast<scalar_t>(sum);
+  }
+}
+
+template <typename F>
+void dispatch_weights(const Tensor& rows, const Tensor& w, F&& f) {
+  dispatch_floating(rows.scalar_type(), "y_sorted", [&](auto s) {
+    using scalar_t = decltype(s);
+    if (w.scalar_type() == rows.scalar_type()) {
+      f(s, scalar_t{});
+    } else {
+      STD_TORCH_CHECK(w.scalar_type() == ScalarType::Float,
+                      "topk_weights must be float32 or the dtype of y_sorted");
+      f(s, float{});
+    }
+  });
+}
+
+Tensor moe_unpermute(Tensor y_sorted, Tensor row_map, Tensor topk_weights) {
+  check_dim(y_sorted, 2, "y_sorted");
+  check_dim(row_map, 2, "row_map");
+  torch::stable::accelerator::DeviceGuard guard(y_sorted.get_device_index());
+  cudaStream_t stream = current_stream(y_sorted);
+  const int64_t tokens = row_map.size(0), top_k = row_map.size(1), dim = y_sorted.size(1);
+  Tensor out = torch::stable::new_empty(y_sorted, {tokens, dim});
+  if (tokens == 0 || dim == 0) return out;
+  dispatch_weights(y_sorted, topk_weights, [&](auto s, auto wt) {
+    using scalar_t = decltype(s);
+    using weight_t = decltype(wt);
+    gather_sum_kernel<<<tokens, 128, 0, stream>>>(
+        y_sorted.const_data_ptr<scalar_t>(), row_map.const_data_ptr<int64_t>(),
+        topk_weights.const_data_ptr<weight_t>(), top_k, dim, out.mutable_data_ptr<scalar_t>());
+    check_launch();
+  });
+  return out;
+}
+
+Tensor moe_permute_backward(Tensor grad_sorted, Tensor row_map) {
+  check_dim(grad_sorted, 2, "grad_x_sorted");
+  check_dim(row_map, 2, "row_map");
+  torch::stable::accelerator::DeviceGuard guard(grad_sorted.get_device_index());
+  cudaStream_t stream = current_stream(grad_sorted);
+  const int64_t tokens = row_map.size(0), top_k = row_map.size(1), dim = grad_sorted.size(1);
+  Tensor grad_x = torch::stable::new_empty(grad_sorted, {tokens, dim});
+  if (tokens == 0 || dim == 0) return grad_x;
+  dispatch_floating(grad_sorted.scalar_type(), "grad_x_sorted", [&](auto s) {
+    using scalar_t = decltype(s);
+    gather_sum_kernel<scalar_t, scalar_t><<<tokens, 128, 0, stream>>>(
+        grad_sorted.const_data_ptr<scalar_t>(), row_map.const_data_ptr<int64_t>(), nullptr,
+        top_k, dim, grad_x.mutable_data_ptr<scalar_t>());
+    check_launch();
+  });
+  return grad_x;
+}
+
+// One block per token: scatter w * g into each kept slot's row, and <g, y[row]> per slot.
+template <typename scalar_t, typename weight_t>
+__global__ void unpermute_backward_kernel(const scalar_t* g, const scalar_t* y,
+                                          const int64_t* row_map, const weight_t* w,
+                                          int64_t top_k, int64_t dim, scalar_t* grad_y,
+                                          weight_t* grad_w) {
+  using acc = acc_t<scalar_t>;
+  __shared__ acc shared[32];
+  const int64_t t = blockIdx.x;
+  for (int64_t k = 0; k < top_k; ++k) {
+    const int64_t r = row_map[t * top_k + k];  // the same for every thread: no divergence
+    if (r < 0) {
+      if (threadIdx.x == 0) grad_w[t * top_k + k] = weight_t(0);
+      continue;
+    }
+    const acc wk = static_cast<acc>(w[t * top_k + k]);
+    acc dot = 0;
+    for (int64_t d = threadIdx.x; d < dim; d += blockDim.x) {
+      const acc gd = static_cast<acc>(g[t * dim + d]);
+      grad_y[r * dim + d] = static_cast<scalar_t>(wk * gd);
+      dot += gd * static_cast<acc>(y[r * dim + d]);
+    }
+    dot = block_sum(dot, shared);
+    if (threadIdx.x == 0) grad_w[t * top_k + k] = static_cast<weight_t>(dot);
+  }
+}
+
+std::tuple<Tensor, Tensor> moe_unpermute_backward(Tensor grad_out, Tensor y_sorted,
+                                                  Tensor row_map, Tensor topk_weights) {
+  check_dim(y_sorted, 2, "y_sorted");
+  check_dim(row_map, 2, "row_map");
+  torch::stable::accelerator::DeviceGuard guard(y_sorted.get_device_index());
+  cudaStream_t stream = current_stream(y_sorted);
+  const int64_t tokens = row_map.size(0), top_k = row_map.size(1), dim = y_sorted.size(1);
+  Tensor grad_y = torch::stable::new_zeros(y_sorted, {y_sorted.size(0), dim});  // padding rows
+  Tensor grad_w = torch::stable::new_zeros(topk_weights, {tokens, top_k});
+  if (tokens == 0 || top_k == 0) return {grad_y, grad_w};
+  dispatch_weights(y_sorted, topk_weights, [&](auto s, auto wt) {
+    using scalar_t = decltype(s);
+    using weight_t = decltype(wt);
+    unpermute_backward_kernel<<<tokens, 128, 0, stream>>>(
+        grad_out.const_data_ptr<scalar_t>(), y_sorted.const_data_ptr<scalar_t>(),
+        row_map.const_data_ptr<int64_t>(), topk_weights.const_data_ptr<weight_t>(), top_k, dim,
+        grad_y.mutable_data_ptr<scalar_t>(), grad_w.mutable_data_ptr<weight_t>());
+    check_launch();
+  });
+  return {grad_y, grad_w};
+}
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY_IMPL(prime_rl, CUDA, m) {
+  m.impl("moe_permute", TORCH_BOX(&moe_permute));
+  m.impl("moe_permute_backward", TORCH_BOX(&moe_permute_backward));
+  m.impl("moe_unpermute", TORCH_BOX(&moe_unpermute));
+  m.impl("moe_unpermute_backward", TORCH_BOX(&moe_unpermute_backward));
+}
+
+}  // namespace prime_ops
