@@ -1,4 +1,9 @@
-"""deepep::dispatch / deepep::combine against a single-rank stand-in for deep_ep."""
+"""deepep::dispatch / deepep::combine.
+
+Semantics and gradients run on 2 and 4 gloo ranks through the reference backend (DeepEP's rules
+over all_to_all) against a single-process float64 model written with plain autograd. The exact
+calls into ``deep_ep.Buffer`` are checked against a recording stand-in.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +13,19 @@ import types
 
 import pytest
 import torch
+from dist_utils import run_distributed
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.library import opcheck
 from torch.utils.checkpoint import CheckpointPolicy
 
 import prime_ops
 from prime_ops import deepep
 
 HIDDEN, TOPK, EXPERTS = 8, 2, 4
+
+
+# --- recording stand-in for deep_ep ------------------------------------------------------------
 
 
 class _Config:
@@ -27,10 +37,8 @@ class _Config:
 
 
 class _Buffer:
-    """deep_ep.Buffer on one rank: every token stays here, so dispatch and combine copy.
-
-    Records every call; the layout handle is an opaque object whose identity tests follow.
-    """
+    """Records every call to deep_ep.Buffer. Its results only have the right shapes (every token
+    "arrives" once): semantics are tested on gloo with the reference backend."""
 
     calls: list = []
 
@@ -43,8 +51,9 @@ class _Buffer:
     def get_dispatch_layout(self, topk_idx, num_experts):
         self.calls.append(("get_dispatch_layout", topk_idx, num_experts))
         per_expert = torch.bincount(topk_idx.flatten(), minlength=num_experts).int()
-        in_rank = torch.ones(topk_idx.shape[0], 1, dtype=torch.bool)
-        return torch.tensor([topk_idx.shape[0]], dtype=torch.int32), None, per_expert, in_rank, None
+        in_rank = torch.ones(topk_idx.shape[0], 2, dtype=torch.bool)
+        per_rank = torch.tensor([topk_idx.shape[0]] * 2, dtype=torch.int32)
+        return per_rank, None, per_expert, in_rank, None
 
     def dispatch(self, x, handle=None, **kwargs):
         if handle is not None:
@@ -52,11 +61,13 @@ class _Buffer:
             return x.clone(), None, None, None, None, None
         self.calls.append(("dispatch", x, kwargs))
         align = kwargs["expert_alignment"]
-        counts = [-(-int(c) // align) * align for c in kwargs["num_tokens_per_expert"]]
-        layout = object()
-        self.calls.append(("layout", layout))
+        counts = [-(-int(c) // align) * align for c in kwargs["num_tokens_per_expert"][:2]]
         topk_idx, topk_weights = kwargs["topk_idx"], kwargs["topk_weights"]
-        return x.clone(), topk_idx.clone(), topk_weights.clone(), counts, layout, None
+        layout = (topk_idx.clone(), x.shape[0])  # equal routing, equal layout
+        self.calls.append(("layout", layout))
+        recv_idx = torch.where(topk_idx < 2, topk_idx, -1)
+        recv_weights = torch.where(recv_idx >= 0, topk_weights, 0.0)
+        return x.clone(), recv_idx, recv_weights, counts, layout, None
 
     def combine(self, x, handle, topk_weights=None, **kwargs):
         self.calls.append(("combine", x, handle, topk_weights, kwargs))
@@ -65,7 +76,7 @@ class _Buffer:
 
 
 class _Group:
-    def __init__(self, ranks=1):
+    def __init__(self, ranks=2):
         self.ranks = ranks
 
     def size(self):
@@ -93,6 +104,10 @@ def _inputs(tokens=5, gen_seed=0, requires_grad=False):
     return x, idx, weights.requires_grad_(requires_grad)
 
 
+def _dispatcher(**kwargs):
+    return deepep.Dispatcher(_Group(), num_experts=EXPERTS, hidden=HIDDEN, **kwargs)
+
+
 # --- front and adapter -------------------------------------------------------------------------
 
 
@@ -106,7 +121,7 @@ def test_dispatcher_creates_the_buffer_at_construction(backend):
 
 
 def test_dispatch_and_combine_make_the_exact_backend_calls(backend):
-    dispatcher = deepep.Dispatcher(_Group(), num_experts=EXPERTS, hidden=HIDDEN, expert_alignment=4)
+    dispatcher = _dispatcher(expert_alignment=4)
     x, idx, weights = _inputs()
     out = dispatcher.dispatch(x, idx, weights)
     layout_call, dispatch_call, (_, layout) = backend[1:4]
@@ -129,10 +144,8 @@ def test_dispatch_and_combine_make_the_exact_backend_calls(backend):
         "num_tokens_per_expert",
         "expert_alignment",
     }
-    assert torch.equal(out.x, x) and torch.equal(out.topk_idx, idx)
     assert out.tokens_per_expert.dtype == torch.int64 and out.tokens_per_expert.device.type == "cpu"
-    assert all(c % 4 == 0 for c in out.tokens_per_expert.tolist())
-    assert out.handle.dtype == torch.int64 and out.handle.shape == (1,)
+    assert out.handle.dtype == torch.int64 and out.handle.tolist() == [dispatcher.key, 0]
     assert out.num_tokens == 5
     combined = dispatcher.combine(out.x * 2, out)
     name, cx, chandle, cweights, _ = backend[-1]
@@ -140,80 +153,87 @@ def test_dispatch_and_combine_make_the_exact_backend_calls(backend):
     torch.testing.assert_close(combined, x * 2)
 
 
-def test_gradients_are_combine_and_cached_dispatch(backend):
-    dispatcher = deepep.Dispatcher(_Group(), num_experts=EXPERTS, hidden=HIDDEN)
+def test_backward_is_a_masked_combine_and_a_cached_dispatch(backend):
+    dispatcher = _dispatcher()
     x, idx, weights = _inputs(requires_grad=True)
-    expert = torch.randn(HIDDEN, HIDDEN).bfloat16()
-
-    def moe(x, weights, through_deepep):
-        if through_deepep:
-            d = dispatcher.dispatch(x, idx, weights)
-            h = (d.x @ expert) * d.topk_weights.sum(-1, keepdim=True).bfloat16()
-            return dispatcher.combine(h, d)
-        return (x @ expert) * weights.sum(-1, keepdim=True).bfloat16()
-
-    moe(x, weights, True).float().sum().backward()
-    grads = x.grad, weights.grad
+    d = dispatcher.dispatch(x, idx, weights)
+    h = d.x * d.topk_weights.sum(-1, keepdim=True).bfloat16()
+    dispatcher.combine(h, d).float().sum().backward()
     (_, layout) = next(c for c in backend if c[0] == "layout")
-    assert _names(backend) == [
-        "Buffer",
-        "get_dispatch_layout",
-        "dispatch",
-        "combine",
-        "cached_dispatch",
-        "combine",
-    ]
+    assert _names(backend)[-4:] == ["dispatch", "combine", "cached_dispatch", "combine"]
     cached, backward_combine = backend[-2], backend[-1]
     assert cached[2] is layout and backward_combine[2] is layout
-    assert backward_combine[3] is not None  # the top-k weight gradients travel back too
-    x.grad = weights.grad = None
-    moe(x, weights, False).float().sum().backward()
-    torch.testing.assert_close(grads[0], x.grad)
-    torch.testing.assert_close(grads[1], weights.grad)
+    # The weight gradients travel back zeroed where the received index is -1 (masked copy).
+    sent = backward_combine[3]
+    assert torch.all(sent[d.topk_idx < 0] == 0) and torch.all(sent[d.topk_idx >= 0] != 0)
 
 
 # --- handle lifetime ---------------------------------------------------------------------------
 
 
 def test_handles_do_not_leak(backend):
-    dispatcher = deepep.Dispatcher(_Group(), num_experts=EXPERTS, hidden=HIDDEN)
-    before = deepep.live_handles()
+    dispatcher = _dispatcher()
     x, idx, weights = _inputs()
-    for _ in range(3000):
+    for _ in range(2000):
         out = dispatcher.dispatch(x, idx, weights)
         dispatcher.combine(out.x, out)
     del out
     gc.collect()
-    assert deepep.live_handles() == before
+    assert dispatcher.live_handles() == 0
     x, idx, weights = _inputs(requires_grad=True)
-    for _ in range(300):
+    for _ in range(200):
         out = dispatcher.dispatch(x, idx, weights)
         dispatcher.combine(out.x, out).float().sum().backward()
+    assert dispatcher.live_handles() == 1 and deepep.live_handles() >= 1
     del out
     gc.collect()
-    assert deepep.live_handles() == before
+    assert dispatcher.live_handles() == 0
 
 
-def test_aliases_keep_the_handle_and_copies_do_not(backend):
-    dispatcher = deepep.Dispatcher(_Group(), num_experts=EXPERTS, hidden=HIDDEN)
+def test_handle_values_are_stable_and_aliases_resolve(backend):
+    dispatcher = _dispatcher()
     x, idx, weights = _inputs()
-    out = dispatcher.dispatch(x, idx, weights)
-    alias, copy = out.handle.detach()[0:1], out.handle.clone()
-    out = out._replace(handle=alias)
+    first, second = dispatcher.dispatch(x, idx, weights), dispatcher.dispatch(x, idx, weights)
+    # Equal layouts share one handle value (what compiled-vs-eager comparisons need) ...
+    assert torch.equal(first.handle, second.handle) and dispatcher.live_handles() == 1
+    # ... different layouts do not.
+    other = dispatcher.dispatch(x, idx.flip(-1), weights)
+    assert other.handle.tolist() == [dispatcher.key, 1] and dispatcher.live_handles() == 2
+    alias = first.handle.detach()[0:2]
+    out = first._replace(handle=alias)
+    del first, second
     gc.collect()
     torch.testing.assert_close(dispatcher.combine(out.x, out), x)  # no use after free
-    del alias
+    assert dispatcher.live_handles() == 2
+
+
+def test_released_and_fabricated_handles(backend):
+    dispatcher, other = _dispatcher(), _dispatcher()
+    x, idx, weights = _inputs()
+    out = dispatcher.dispatch(x, idx, weights)
+    copy = out.handle.clone()
+    torch.testing.assert_close(dispatcher.combine(out.x, out._replace(handle=copy)), x)
+    with pytest.raises(ValueError, match=f"belongs to Dispatcher {dispatcher.key}, not"):
+        other.combine(out.x, out)
+    with pytest.raises(ValueError, match=r"x must have shape \[5, 8\]"):
+        dispatcher.combine(out.x[:4], out)
+    with pytest.raises(ValueError, match="num_tokens=4 but the handle's dispatch sent 5"):
+        dispatcher.combine(out.x, out._replace(num_tokens=4))
+    fabricated = torch.tensor([dispatcher.key, 7])
+    with pytest.raises(ValueError, match=r"unknown DeepEP handle \[\d+, 7\]"):
+        dispatcher.combine(out.x, out._replace(handle=fabricated))
     out = out._replace(handle=copy)
     gc.collect()
-    with pytest.raises(RuntimeError, match="already released"):
+    with pytest.raises(ValueError, match="handle 0 was already released"):
         dispatcher.combine(out.x, out)
+    assert _names(backend).count("combine") == 1  # every check ran before communication
 
 
 # --- fakes -------------------------------------------------------------------------------------
 
 
 def test_fakes_on_fake_cuda_without_deep_ep(backend, monkeypatch):
-    dispatcher = deepep.Dispatcher(_Group(2), num_experts=EXPERTS, hidden=HIDDEN)
+    dispatcher = _dispatcher()
     monkeypatch.setitem(sys.modules, "deep_ep", None)  # from here on the backend is absent
     calls = len(backend)
     # Autograd on fake CUDA tensors aborts a CPU-only build, so backward ops are called directly.
@@ -227,12 +247,14 @@ def test_fakes_on_fake_cuda_without_deep_ep(backend, monkeypatch):
         assert out.x.device.type == "cuda" and out.x.shape[1] == HIDDEN
         assert out.topk_idx.shape == (received, TOPK) and out.topk_weights.shape[0] == received
         assert out.tokens_per_expert.shape == (2,) and out.tokens_per_expert.device.type == "cpu"
-        assert out.handle.shape == (1,) and out.handle.device.type == "cpu"
+        assert out.handle.shape == (2,) and out.handle.device.type == "cpu"
         combined = dispatcher.combine(out.x, out)
         assert combined.shape == (6, HIDDEN) and combined.device.type == "cuda"
-        gx, gw = torch.ops.deepep.dispatch_backward(out.x, out.topk_weights, out.handle, 6)
+        gx, gw = torch.ops.deepep.dispatch_backward(
+            out.x, out.topk_weights, out.topk_idx, out.handle, dispatcher.key, 6
+        )
         assert gx.shape == (6, HIDDEN) and gw.shape == (6, TOPK)
-        back = torch.ops.deepep.combine_backward(combined, out.handle, received)
+        back = torch.ops.deepep.combine_backward(combined, out.handle, dispatcher.key, received)
         assert back.shape[0] == received
     assert len(backend) == calls  # fakes never call the backend
 
@@ -283,8 +305,7 @@ class _Model(torch.nn.Module):
 def test_recompute_never_calls_deep_ep_again(backend, mode):
     import prime_ac
 
-    dispatcher = deepep.Dispatcher(_Group(), num_experts=EXPERTS, hidden=HIDDEN)
-    model = _Model(dispatcher)
+    model = _Model(_dispatcher())
     x, _, _ = _inputs(requires_grad=True)
     model(x).float().sum().backward()
     expected = [x.grad] + [p.grad for p in model.parameters()]
@@ -305,28 +326,179 @@ def test_recompute_never_calls_deep_ep_again(backend, mode):
         torch.testing.assert_close(g, ref)
 
 
-# --- errors ------------------------------------------------------------------------------------
+# --- errors (all raised before any backend call) ------------------------------------------------
 
 
-def test_missing_deep_ep_names_extra_and_build(monkeypatch):
+def test_missing_deep_ep_gives_the_build_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "deep_ep", None)
-    with pytest.raises(prime_ops.BackendUnavailable, match=r"prime-ops\[deepep\].*install\.sh"):
-        deepep.Dispatcher(_Group(), num_experts=EXPERTS, hidden=HIDDEN)
+    with pytest.raises(prime_ops.BackendUnavailable, match=r"git clone .*DeepEP.*install\.sh") as e:
+        _dispatcher()
+    assert "prime-ops[" not in str(e.value)  # no extra installs DeepEP
 
 
-def test_bad_inputs(backend):
+def test_bad_construction(backend):
+    for ranks in (1, 3, 12):
+        with pytest.raises(ValueError, match=f"the group has {ranks} rank"):
+            deepep.Dispatcher(_Group(ranks), num_experts=24, hidden=HIDDEN)
     with pytest.raises(ValueError, match="num_experts=3 must be a positive multiple"):
         deepep.Dispatcher(_Group(2), num_experts=3, hidden=HIDDEN)
-    dispatcher = deepep.Dispatcher(_Group(), num_experts=EXPERTS, hidden=HIDDEN)
+    for hidden in (0, 12):
+        with pytest.raises(ValueError, match=f"hidden={hidden} must be a positive multiple of 8"):
+            deepep.Dispatcher(_Group(2), num_experts=4, hidden=hidden)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        deepep.Dispatcher(_Group(2), num_experts=4, hidden=8, backend="nccl")
+    assert backend == []
+
+
+def test_bad_dispatch_inputs(backend):
+    dispatcher = _dispatcher()
     x, idx, weights = _inputs()
-    with pytest.raises(ValueError, match="x must be a \\[tokens, hidden\\] bfloat16"):
-        dispatcher.dispatch(x.float(), idx, weights)
-    with pytest.raises(ValueError, match="topk_idx must be int64"):
-        dispatcher.dispatch(x, idx.int(), weights)
-    with pytest.raises(ValueError, match="topk_weights must be float32"):
-        dispatcher.dispatch(x, idx, weights.bfloat16())
+    bad = [
+        ((x.float(), idx, weights), "x must be a \\[tokens, hidden\\] bfloat16"),
+        ((x.T.contiguous().T, idx, weights), "x must be a \\[tokens, hidden\\]|contiguous"),
+        ((torch.zeros(5, 16, dtype=torch.bfloat16), idx, weights), "x has 16 columns but"),
+        ((x, idx.int(), weights), "topk_idx must be int64"),
+        ((x, idx.T.contiguous().T, weights), "topk_idx must be contiguous"),
+        ((x, idx, weights.bfloat16()), "topk_weights must be float32"),
+        ((x, idx, weights.T.contiguous().T), "topk_weights must be contiguous"),
+        ((x, idx.masked_fill(idx == 1, EXPERTS), weights), r"\[-1, num_experts=4\).*\[4"),
+        ((x, idx.masked_fill(idx == 1, -2), weights), r"\[-1, num_experts=4\).*\[-2"),
+        ((x, idx.to("meta"), weights), "one device, got x on cpu, topk_idx on meta"),
+        ((x.to("meta"), idx, weights), "one device, got x on meta"),
+    ]
+    for args, match in bad:
+        with pytest.raises(ValueError, match=match):
+            dispatcher.dispatch(*args)
+    with pytest.raises(RuntimeError, match="no live prime_ops.deepep.Dispatcher"):
+        torch.ops.deepep.dispatch(x, idx, weights, -1, EXPERTS, 2, 1)
+    with pytest.raises(ValueError, match="differ from Dispatcher"):
+        torch.ops.deepep.dispatch(x, idx, weights, dispatcher.key, EXPERTS, 2, 4)
     out = dispatcher.dispatch(x, idx, weights)
     with pytest.raises(ValueError, match="handle must be the CPU int64 tensor"):
         dispatcher.combine(out.x, out._replace(handle=out.handle.int()))
-    with pytest.raises(RuntimeError, match="no live prime_ops.deepep.Dispatcher"):
-        torch.ops.deepep.dispatch(x, idx, weights, -1, EXPERTS, EXPERTS, 1)
+    assert _names(backend) == ["Buffer", "get_dispatch_layout", "dispatch"]
+
+
+# --- the reference backend on gloo --------------------------------------------------------------
+
+
+def _rank_inputs(rank, world, experts, topk, seed=0):
+    """Rank ``rank``'s tokens, routing (with -1 slots and an unrouted token) and loss weights."""
+    gen = torch.Generator().manual_seed(seed * 100 + rank)
+    tokens = (6, 0, 5, 3)[rank] if world == 4 else 7 - rank
+    x = torch.randn(tokens, HIDDEN, generator=gen).bfloat16()
+    idx = torch.rand(tokens, experts, generator=gen).argsort(dim=1)[:, :topk]  # distinct experts
+    idx = idx.masked_fill(torch.rand(tokens, topk, generator=gen) < 0.2, -1)
+    if tokens:
+        idx[-1] = -1
+    weights = torch.rand(tokens, topk, generator=gen)
+    grad = torch.randn(tokens, HIDDEN, generator=gen)
+    return x, idx, weights, grad
+
+
+def _experts(experts):
+    return torch.randn(experts, HIDDEN, HIDDEN, generator=torch.Generator().manual_seed(7)) / 3
+
+
+def _expert_fn(x, idx, weights, experts_w):
+    """A rank's expert work on its received rows: the routed mixture plus a term that reads every
+    weight slot (masked ones too), so a wrong masking rule changes the weight gradient."""
+    y = weights.sum(-1, keepdim=True) * x
+    for k in range(idx.shape[1]):
+        chosen = idx[:, k].clamp(min=0)
+        h = torch.tanh(torch.einsum("th,thd->td", x, experts_w[chosen]))
+        y = y + torch.where(idx[:, k : k + 1] >= 0, weights[:, k : k + 1] * h, 0.0)
+    return y
+
+
+def _reference(world, experts, topk):
+    """Every rank's output and input gradients, in one process, float64, plain autograd."""
+    local = experts // world
+    w_all = _experts(experts).double()
+    outs, grads = [], []
+    for r in range(world):
+        x, idx, weights, grad = _rank_inputs(r, world, experts, topk)
+        x = x.double().requires_grad_()
+        weights = weights.double().requires_grad_()
+        out = torch.zeros_like(x)
+        for j in range(world):
+            mine = (idx >= j * local) & (idx < (j + 1) * local)
+            rows = mine.any(-1)
+            local_idx = torch.where(mine, idx - j * local, -1)[rows]
+            masked = torch.where(mine, weights, 0.0)[rows]
+            h = _expert_fn(x[rows], local_idx, masked, w_all[j * local : (j + 1) * local])
+            out = out.index_add(0, rows.nonzero()[:, 0], h)
+        (out * grad.double()).sum().backward()
+        outs.append(out.detach())
+        grads.append((x.grad, weights.grad))
+    return outs, grads
+
+
+def _close(got, ref, rel=1e-2):
+    err = (got.double() - ref).abs().max() if got.numel() else 0.0
+    assert err <= rel * max(ref.abs().max().item() if ref.numel() else 0.0, 1.0), float(err)
+
+
+def _reference_body(rank, world):
+    group = torch.distributed.group.WORLD
+    experts, topk = 2 * world, 3
+    local = experts // world
+    dispatcher = deepep.Dispatcher(
+        group, num_experts=experts, hidden=HIDDEN, backend="reference", expert_alignment=4
+    )
+    x, idx, weights, grad = _rank_inputs(rank, world, experts, topk)
+    x.requires_grad_()
+    weights.requires_grad_()
+    d = dispatcher.dispatch(x, idx, weights)
+
+    # Layout, ordering and masking, as DeepEP's own intranode test checks them.
+    inputs = [_rank_inputs(r, world, experts, topk) for r in range(world)]
+    rows, idxs, ws = [], [], []
+    for sx, sidx, sw, _ in inputs:
+        mine = (sidx >= rank * local) & (sidx < (rank + 1) * local)
+        sel = mine.any(-1)  # ordered by source rank, then token index
+        rows.append(sx[sel])
+        idxs.append(torch.where(mine, sidx - rank * local, -1)[sel])
+        ws.append(torch.where(mine, sw, 0.0)[sel])
+    assert torch.equal(d.x, torch.cat(rows))
+    assert torch.equal(d.topk_idx, torch.cat(idxs))
+    assert torch.equal(d.topk_weights, torch.cat(ws))
+    counts = [int((d.topk_idx == e).sum()) for e in range(local)]
+    assert d.tokens_per_expert.tolist() == [-(-c // 4) * 4 for c in counts]
+
+    # Forward and every input gradient against the single-process model.
+    h = _expert_fn(d.x.float(), d.topk_idx, d.topk_weights, _experts(experts)[rank * local :])
+    out = dispatcher.combine(h.bfloat16(), d)
+    (out.float() * grad).sum().backward()
+    ref_outs, ref_grads = _reference(world, experts, topk)
+    _close(out, ref_outs[rank])
+    _close(x.grad, ref_grads[rank][0])
+    _close(weights.grad, ref_grads[rank][1])
+    del d, out
+    gc.collect()
+    assert dispatcher.live_handles() == 0
+    if world == 2:  # one process start for both checks
+        _opchecks(rank, world)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_reference_backend_matches_single_process_autograd_and_opcheck(world):
+    run_distributed(_reference_body, world, timeout=90)
+
+
+def _opchecks(rank, world):
+    group = torch.distributed.group.WORLD
+    dispatcher = deepep.Dispatcher(group, num_experts=4, hidden=HIDDEN, backend="reference")
+    x, idx, weights, _ = _rank_inputs(rank, world, 4, 2)
+    x.requires_grad_()
+    weights.requires_grad_()
+    args = (x, idx, weights, dispatcher.key, 4, 2, 1)
+    opcheck(torch.ops.deepep.dispatch.default, args)
+    d = dispatcher.dispatch(x.detach(), idx, weights.detach())
+    recv = d.x.clone().requires_grad_()
+    opcheck(torch.ops.deepep.combine.default, (recv, d.handle, dispatcher.key, d.num_tokens))
+    back = (d.x, d.topk_weights, d.topk_idx, d.handle, dispatcher.key, d.num_tokens)
+    opcheck(torch.ops.deepep.dispatch_backward.default, back)
+    grad = x.detach() * 2
+    opcheck(torch.ops.deepep.combine_backward.default, (grad, d.handle, dispatcher.key, len(d.x)))
