@@ -21,6 +21,7 @@ from torch import nn
 
 from prime_ops.collectives import all_to_all_single, all_to_all_single_equal
 from prime_ops.moe import record_moe_routing_statistics
+from prime_ops.mxfp8 import mxfp8_all_to_all_single
 
 __all__ = ["DispatchPlan", "ExpertParallelMoE", "combine", "dispatch"]
 
@@ -33,10 +34,15 @@ class DispatchPlan:
     output_splits: torch.Tensor  # rows this rank received from each rank
     order: torch.Tensor  # received row -> position in local-expert order
     group: dist.ProcessGroup | None
+    mxfp8: bool = False  # rows travel as MXFP8 (prime_ops.mxfp8) in both directions
 
 
 def dispatch(
-    tokens: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup | None
+    tokens: torch.Tensor,
+    counts: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    *,
+    mxfp8: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, DispatchPlan]:
     """Send routed token rows to the ranks that own their experts.
 
@@ -44,6 +50,8 @@ def dispatch(
     ``counts[e]`` is how many rows go to expert e. Returns the rows this rank's experts must
     process, grouped by local expert; the number of rows per local expert; and the plan for
     :func:`combine`. ``group=None`` means every expert is local (no communication).
+    ``mxfp8=True`` sends the rows (here and in :func:`combine`) as MXFP8, about half the bytes
+    of bf16; gradients travel back in full precision.
     """
     world = 1 if group is None else group.size()
     if counts.dim() != 1 or counts.numel() % world != 0:
@@ -60,12 +68,13 @@ def dispatch(
     recv_counts = all_to_all_single_equal(counts, group)
     input_splits = counts.view(world, local).sum(1)
     output_splits = recv_counts.view(world, local).sum(1)
-    received = all_to_all_single(tokens, output_splits, input_splits, group)
+    send = mxfp8_all_to_all_single if mxfp8 else all_to_all_single
+    received = send(tokens, output_splits, input_splits, group)
     # Received rows are ordered (source rank, local expert); regroup them by local expert.
     expert_of_row = torch.arange(local, device=counts.device).repeat(world)
     expert_of_row = expert_of_row.repeat_interleave(recv_counts)
     order = torch.argsort(expert_of_row, stable=True)
-    plan = DispatchPlan(input_splits, output_splits, order, group)
+    plan = DispatchPlan(input_splits, output_splits, order, group, mxfp8)
     return received[order], recv_counts.view(world, local).sum(0), plan
 
 
@@ -74,7 +83,8 @@ def combine(expert_output: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
     if plan.group is None:
         return expert_output
     received = torch.empty_like(expert_output).index_copy(0, plan.order, expert_output)
-    return all_to_all_single(received, plan.input_splits, plan.output_splits, plan.group)
+    send = mxfp8_all_to_all_single if plan.mxfp8 else all_to_all_single
+    return send(received, plan.input_splits, plan.output_splits, plan.group)
 
 
 class ExpertParallelMoE(nn.Module):
@@ -86,6 +96,7 @@ class ExpertParallelMoE(nn.Module):
     summed top-k probability accumulate in the ``tokens_per_expert`` and
     ``routing_confidence_sum`` buffers through ``prime_rl::record_moe_routing_statistics``
     (this rank's tokens only; all-reduce them for global statistics).
+    ``mxfp8_transport=True`` moves token rows between ranks as MXFP8 (``dim`` a multiple of 32).
     """
 
     def __init__(
@@ -96,6 +107,7 @@ class ExpertParallelMoE(nn.Module):
         top_k: int,
         *,
         ep_group: dist.ProcessGroup | None = None,
+        mxfp8_transport: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -109,6 +121,7 @@ class ExpertParallelMoE(nn.Module):
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
         self.num_experts, self.top_k, self.ep_group = num_experts, top_k, ep_group
+        self.mxfp8_transport = mxfp8_transport
         local = num_experts // world
         rank = 0 if ep_group is None else ep_group.rank()
         self.local_experts = range(rank * local, (rank + 1) * local)
@@ -149,7 +162,9 @@ class ExpertParallelMoE(nn.Module):
             )
         # One row per (token, slot), sorted by expert so each expert's rows are contiguous.
         order = torch.argsort(experts.flatten(), stable=True)
-        rows, rows_per_expert, plan = dispatch(x[order // self.top_k], counts, self.ep_group)
+        rows, rows_per_expert, plan = dispatch(
+            x[order // self.top_k], counts, self.ep_group, mxfp8=self.mxfp8_transport
+        )
         rows = combine(self._experts(rows, rows_per_expert), plan)
         slots = torch.empty_like(rows).index_copy(0, order, rows).view(-1, self.top_k, shape[-1])
         out = (slots * weights.unsqueeze(-1).to(slots.dtype)).sum(1)
