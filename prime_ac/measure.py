@@ -83,10 +83,18 @@ def storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
     """
     if is_traceable_wrapper_subclass(tensor):
         names, _ = tensor.__tensor_flatten__()
-        return [s for name in names for s in storages(getattr(tensor, name))]
+        inner = (getattr(tensor, name) for name in names)
+        return [s for t in inner if isinstance(t, torch.Tensor) for s in storages(t)]
     if tensor.device.type == "meta":
         return []
     return [tensor.untyped_storage()]
+
+
+def _lives_at(table: dict[int, weakref.ref], ptr: int) -> bool:
+    """Whether the storage recorded at address ``ptr`` is still alive there."""
+    ref = table.get(ptr)
+    storage = ref() if ref is not None else None
+    return storage is not None and storage.data_ptr() == ptr
 
 
 class StorageTracker(TorchDispatchMode):
@@ -99,20 +107,22 @@ class StorageTracker(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self._storages: dict[int, weakref.ref] = {}
-        self._preexisting: set[int] = set()
+        self._preexisting: dict[int, weakref.ref] = {}
 
     def exclude(self, tensors) -> None:
         """Storages that existed before (parameters, inputs) are never counted, views included."""
-        self._preexisting.update(s.data_ptr() for t in tensors for s in storages(t))
+        self._preexisting.update(
+            (s.data_ptr(), weakref.ref(s)) for t in tensors for s in storages(t)
+        )
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for leaf in tree_leaves(out):
             for storage in storages(leaf) if isinstance(leaf, torch.Tensor) else ():
                 ptr = storage.data_ptr()
-                known = self._storages.get(ptr)
-                # An address is reused once its storage dies: track the storage living there now.
-                if ptr not in self._preexisting and (known is None or known() is None):
+                # An address is reused once its storage dies or is resized away (FSDP frees its
+                # gathered parameters so): track the storage living there now.
+                if not _lives_at(self._preexisting, ptr) and not _lives_at(self._storages, ptr):
                     self._storages[ptr] = weakref.ref(storage)
         return out
 
