@@ -8,8 +8,10 @@ stay inside the namespace.
 
 The ops take the process group by name (``ProcessGroup.group_name``): a schema carries strings,
 not Python objects. The fronts below take a ``ProcessGroup`` (default: the world group).
-Arguments are validated before any communication starts, so a bad call raises on the rank that
-made it instead of leaving its peers waiting inside a half-started collective.
+Arguments are validated before any communication starts. A call that is valid on each rank but
+does not fit its peers' calls (splits that disagree, shapes or dtypes that differ) cannot be seen
+from one rank: the fronts' checked mode (``checked=True`` or ``PRIME_OPS_CHECK_COLLECTIVES=1``,
+see :mod:`prime_ops.groups`) compares every rank's call first and raises on all of them.
 """
 
 from __future__ import annotations
@@ -18,7 +20,16 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group
+
+from prime_ops._compat import all_gather_single, reduce_scatter_single
+from prime_ops.groups import (
+    agree,
+    checked_mode,
+    rank_local,
+    resolve,
+    resolve_name,
+    same_on_every_rank,
+)
 
 __all__ = [
     "all_gather",
@@ -31,17 +42,6 @@ NAMESPACE = "prime_rl_collectives"
 
 
 # --- validation (shared by kernels and fakes; never communicates) ----------------------------
-
-
-def _resolve(group_name: str) -> dist.ProcessGroup:
-    try:
-        return _resolve_process_group(group_name)
-    except RuntimeError as exc:
-        raise ValueError(
-            f"group_name={group_name!r} names no live process group; pass the group_name of a "
-            "ProcessGroup created by torch.distributed (or use the prime_ops.collectives fronts, "
-            "which take the group itself)"
-        ) from exc
 
 
 def _check_rank(x: torch.Tensor, op: str) -> None:
@@ -77,12 +77,37 @@ def _check_split_tensor(name: str, splits: torch.Tensor, world: int) -> None:
         )
 
 
+def _check_splits(x: torch.Tensor, output_splits, input_splits, world: int) -> None:
+    """Metadata checks of an all-to-all (kernel and fake): one int split per rank, on the CPU or
+    on x's device (splits on ``meta`` with a real x would run the fake as the kernel)."""
+    _check_rank(x, "all_to_all_single")
+    for name, splits in (("output_splits", output_splits), ("input_splits", input_splits)):
+        _check_split_tensor(name, splits, world)
+        if splits.device.type != "cpu" and splits.device != x.device:
+            raise ValueError(
+                f"all_to_all_single: {name} is on {splits.device} but x is on {x.device}; "
+                "put the split sizes on the CPU or on x's device"
+            )
+
+
 def _split_sizes(name: str, splits: torch.Tensor) -> list[int]:
     """Read split sizes to the host (a device sync when they live on an accelerator)."""
     sizes = splits.tolist()
     if any(s < 0 for s in sizes):
         raise ValueError(f"{name} must not contain negative sizes, got {sizes}")
     return sizes
+
+
+def _all_to_all_sizes(x, output_splits, input_splits, world: int) -> tuple[list[int], list[int]]:
+    _check_splits(x, output_splits, input_splits, world)
+    out_sizes = _split_sizes("output_splits", output_splits)
+    in_sizes = _split_sizes("input_splits", input_splits)
+    if sum(in_sizes) != x.shape[0]:
+        raise ValueError(
+            f"all_to_all_single: input_splits {in_sizes} sum to {sum(in_sizes)} but x has "
+            f"{x.shape[0]} rows along dim 0; input_splits[i] is the number of rows sent to rank i"
+        )
+    return out_sizes, in_sizes
 
 
 # --- all_to_all_single ----------------------------------------------------------------------
@@ -94,17 +119,9 @@ def _all_to_all_single(
 ) -> torch.Tensor:
     """Rows ``x[sum(input_splits[:i]) : ...]`` go to rank i; rank i's rows arrive in order."""
     op = "all_to_all_single"
-    group = _resolve(group_name)
-    _check_rank(x, op)
-    _check_split_tensor("output_splits", output_splits, group.size())
-    _check_split_tensor("input_splits", input_splits, group.size())
-    out_sizes = _split_sizes("output_splits", output_splits)
-    in_sizes = _split_sizes("input_splits", input_splits)
-    if sum(in_sizes) != x.shape[0]:
-        raise ValueError(
-            f"{op}: input_splits {in_sizes} sum to {sum(in_sizes)} but x has {x.shape[0]} rows "
-            "along dim 0; input_splits[i] is the number of rows sent to rank i"
-        )
+    group = resolve_name(group_name, op)
+    with rank_local(op, group):
+        out_sizes, in_sizes = _all_to_all_sizes(x, output_splits, input_splits, group.size())
     out = x.new_empty((sum(out_sizes), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), out_sizes, in_sizes, group=group)
     return out
@@ -112,10 +129,8 @@ def _all_to_all_single(
 
 @_all_to_all_single.register_fake
 def _(x, output_splits, input_splits, group_name):
-    world = _resolve(group_name).size()
-    _check_rank(x, "all_to_all_single")
-    _check_split_tensor("output_splits", output_splits, world)
-    _check_split_tensor("input_splits", input_splits, world)
+    world = resolve_name(group_name, "all_to_all_single").size()
+    _check_splits(x, output_splits, input_splits, world)
     # The received row count is the sum of output_splits: known only at run time.
     rows = torch.library.get_ctx().new_dynamic_size()
     return x.new_empty((rows, *x.shape[1:]))
@@ -149,9 +164,11 @@ _all_to_all_single.register_autograd(
 @torch.library.custom_op(f"{NAMESPACE}::all_to_all_single_equal", mutates_args=())
 def _all_to_all_single_equal(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """Dim 0 splits into group-size equal chunks; chunk i goes to rank i."""
-    group = _resolve(group_name)
-    _check_rank(x, "all_to_all_single_equal")
-    _check_divisible(x, 0, group.size(), "all_to_all_single_equal")
+    op = "all_to_all_single_equal"
+    group = resolve_name(group_name, op)
+    with rank_local(op, group):
+        _check_rank(x, op)
+        _check_divisible(x, 0, group.size(), op)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     dist.all_to_all_single(out, x.contiguous(), group=group)
     return out
@@ -159,7 +176,7 @@ def _all_to_all_single_equal(x: torch.Tensor, group_name: str) -> torch.Tensor:
 
 @_all_to_all_single_equal.register_fake
 def _(x, group_name):
-    world = _resolve(group_name).size()
+    world = resolve_name(group_name, "all_to_all_single_equal").size()
     _check_rank(x, "all_to_all_single_equal")
     _check_divisible(x, 0, world, "all_to_all_single_equal")
     return torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -190,17 +207,18 @@ _all_to_all_single_equal.register_autograd(
 )
 def _all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``, in rank order."""
-    group = _resolve(group_name)
-    dim = _check_dim(x, dim, "all_gather")
+    group = resolve_name(group_name, "all_gather")
+    with rank_local("all_gather", group):
+        dim = _check_dim(x, dim, "all_gather")
     src = x.movedim(dim, 0).contiguous()
     out = src.new_empty((group.size() * src.shape[0], *src.shape[1:]))
-    dist.all_gather_single(out, src, group=group)
+    all_gather_single(out, src, group=group)
     return out.movedim(0, dim).contiguous()
 
 
 @_all_gather.register_fake
 def _(x, dim, group_name):
-    world = _resolve(group_name).size()
+    world = resolve_name(group_name, "all_gather").size()
     dim = _check_dim(x, dim, "all_gather")
     shape = list(x.shape)
     shape[dim] *= world
@@ -226,18 +244,20 @@ _all_gather.register_autograd(_all_gather_backward, setup_context=_gather_scatte
 )
 def _reduce_scatter_sum(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
     """Sum ``x`` over ranks and keep this rank's equal chunk along ``dim``."""
-    group = _resolve(group_name)
-    dim = _check_dim(x, dim, "reduce_scatter_sum")
-    _check_divisible(x, dim, group.size(), "reduce_scatter_sum")
+    op = "reduce_scatter_sum"
+    group = resolve_name(group_name, op)
+    with rank_local(op, group):
+        dim = _check_dim(x, dim, op)
+        _check_divisible(x, dim, group.size(), op)
     src = x.movedim(dim, 0).contiguous()
     out = src.new_empty((src.shape[0] // group.size(), *src.shape[1:]))
-    dist.reduce_scatter_single(out, src, op=dist.ReduceOp.SUM, group=group)
+    reduce_scatter_single(out, src, op=dist.ReduceOp.SUM, group=group)
     return out.movedim(0, dim).contiguous()
 
 
 @_reduce_scatter_sum.register_fake
 def _(x, dim, group_name):
-    world = _resolve(group_name).size()
+    world = resolve_name(group_name, "reduce_scatter_sum").size()
     dim = _check_dim(x, dim, "reduce_scatter_sum")
     _check_divisible(x, dim, world, "reduce_scatter_sum")
     shape = list(x.shape)
@@ -255,18 +275,34 @@ _reduce_scatter_sum.register_autograd(
 )
 
 
+# --- checked mode: what each rank's call must agree on ---------------------------------------
+
+
+def _layout(x: torch.Tensor) -> tuple[tuple[int, ...], str]:
+    return tuple(x.shape), str(x.dtype)
+
+
+def _same_layout(fingerprints) -> str | None:
+    return same_on_every_rank("x's (shape, dtype) and dim", fingerprints)
+
+
+def _all_to_all_fits(fingerprints) -> str | None:
+    """Every rank's rows beyond dim 0 and dtype agree, and each rank sends each peer exactly the
+    rows that peer expects from it."""
+    problem = same_on_every_rank("x's shape beyond dim 0 and dtype", [f[2] for f in fingerprints])
+    if problem is not None:
+        return problem
+    for src, (send, _, _) in enumerate(fingerprints):
+        for dst, (_, recv, _) in enumerate(fingerprints):
+            if send[dst] != recv[src]:
+                return (
+                    f"rank {src} sends {send[dst]} rows to rank {dst} (its input_splits[{dst}]) "
+                    f"but rank {dst} expects {recv[src]} (its output_splits[{src}])"
+                )
+    return None
+
+
 # --- fronts ---------------------------------------------------------------------------------
-
-
-def _group_name(group: dist.ProcessGroup | None) -> str:
-    if group is not None:
-        return group.group_name
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "torch.distributed is not initialized: call torch.distributed.init_process_group() "
-            "first, or pass group= explicitly"
-        )
-    return dist.group.WORLD.group_name
 
 
 def _as_splits(splits: torch.Tensor | Sequence[int]) -> torch.Tensor:
@@ -280,34 +316,94 @@ def all_to_all_single(
     output_splits: torch.Tensor | Sequence[int],
     input_splits: torch.Tensor | Sequence[int],
     group: dist.ProcessGroup | None = None,
+    *,
+    checked: bool | None = None,
 ) -> torch.Tensor:
     """Exchange variable-size row blocks of ``x`` (dim 0) with every rank of ``group``.
 
     ``input_splits[i]`` rows go to rank i; ``output_splits[i]`` rows arrive from rank i. Splits
     are lists of ints or integer tensors (CPU or on ``x``'s device; the sizes are read to the
-    host). The gradient is the same exchange with the splits swapped.
+    host). The gradient is the same exchange with the splits swapped. ``checked`` (default: the
+    ``PRIME_OPS_CHECK_COLLECTIVES`` environment variable) first checks on every rank that the
+    splits, trailing shapes and dtypes of all ranks fit together (see :mod:`prime_ops.groups`).
+
+    Example (2 ranks; rank 0 sends 1 row to itself and 2 to rank 1)::
+
+        send = [1, 2] if rank == 0 else [3, 0]
+        recv = [1, 3] if rank == 0 else [2, 0]
+        out = all_to_all_single(torch.randn(sum(send), 8), recv, send)
     """
-    return _all_to_all_single(
-        x, _as_splits(output_splits), _as_splits(input_splits), _group_name(group)
-    )
+    op = "all_to_all_single"
+    group = resolve(group, op)
+    output_splits, input_splits = _as_splits(output_splits), _as_splits(input_splits)
+    if checked_mode(checked):
+
+        def describe():
+            recv, send = _all_to_all_sizes(x, output_splits, input_splits, group.size())
+            return send, recv, (tuple(x.shape[1:]), str(x.dtype))
+
+        agree(op, group, describe, _all_to_all_fits)
+    return _all_to_all_single(x, output_splits, input_splits, group.group_name)
 
 
 def all_to_all_single_equal(
-    x: torch.Tensor, group: dist.ProcessGroup | None = None
+    x: torch.Tensor, group: dist.ProcessGroup | None = None, *, checked: bool | None = None
 ) -> torch.Tensor:
-    """Split dim 0 into group-size equal chunks, send chunk i to rank i, receive in rank order."""
-    return _all_to_all_single_equal(x, _group_name(group))
+    """Split dim 0 into group-size equal chunks, send chunk i to rank i, receive in rank order.
+    ``checked``: as in :func:`all_to_all_single` (every rank's x must match in shape and dtype).
+    """
+    op = "all_to_all_single_equal"
+    group = resolve(group, op)
+    if checked_mode(checked):
+
+        def describe():
+            _check_rank(x, op)
+            _check_divisible(x, 0, group.size(), op)
+            return _layout(x)
+
+        agree(op, group, describe, _same_layout)
+    return _all_to_all_single_equal(x, group.group_name)
 
 
 def all_gather(
-    x: torch.Tensor, dim: int = 0, group: dist.ProcessGroup | None = None
+    x: torch.Tensor,
+    dim: int = 0,
+    group: dist.ProcessGroup | None = None,
+    *,
+    checked: bool | None = None,
 ) -> torch.Tensor:
-    """Concatenate ``x`` from every rank along ``dim``; the gradient is a sum reduce-scatter."""
-    return _all_gather(x, dim, _group_name(group))
+    """Concatenate ``x`` from every rank along ``dim``; the gradient is a sum reduce-scatter.
+    ``checked``: as in :func:`all_to_all_single` (shape, dtype and dim must match on every rank).
+    """
+    group = resolve(group, "all_gather")
+    if checked_mode(checked):
+        agree(
+            "all_gather",
+            group,
+            lambda: (*_layout(x), _check_dim(x, dim, "all_gather")),
+            _same_layout,
+        )
+    return _all_gather(x, dim, group.group_name)
 
 
 def reduce_scatter_sum(
-    x: torch.Tensor, dim: int = 0, group: dist.ProcessGroup | None = None
+    x: torch.Tensor,
+    dim: int = 0,
+    group: dist.ProcessGroup | None = None,
+    *,
+    checked: bool | None = None,
 ) -> torch.Tensor:
-    """Sum ``x`` over ranks and return this rank's chunk along ``dim``; gradient: all-gather."""
-    return _reduce_scatter_sum(x, dim, _group_name(group))
+    """Sum ``x`` over ranks and return this rank's chunk along ``dim``; gradient: all-gather.
+    ``checked``: as in :func:`all_to_all_single` (shape, dtype and dim must match on every rank).
+    """
+    op = "reduce_scatter_sum"
+    group = resolve(group, op)
+    if checked_mode(checked):
+
+        def describe():
+            checked_dim = _check_dim(x, dim, op)
+            _check_divisible(x, checked_dim, group.size(), op)
+            return (*_layout(x), checked_dim)
+
+        agree(op, group, describe, _same_layout)
+    return _reduce_scatter_sum(x, dim, group.group_name)

@@ -8,6 +8,8 @@ bit for bit whatever order the backend adds in.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,6 +20,8 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import prime_ops  # noqa: F401  (registers the ops)
 from prime_ops import collectives as C
+from prime_ops.attn import ring_attention
+from prime_ops.groups import CHECK_ENV
 
 OPS = torch.ops.prime_rl_collectives
 DTYPES = (torch.float32, torch.bfloat16)
@@ -176,6 +180,23 @@ def _contract_body(rank, world):
     for call, message in bad_calls:
         with pytest.raises(ValueError, match=message):
             call()
+    # Default mode: an error raised on one rank says its peers may be left waiting, and how to
+    # make every rank raise instead.
+    with pytest.raises(ValueError, match=r"rank \d of 2 .* may be waiting .*CHECK_COLLECTIVES=1"):
+        C.all_to_all_single(x, [2, 2], [1, 2])
+    # Mixed devices: split sizes on meta with x on the CPU would run the fake as the kernel.
+    meta = torch.tensor([2, 2], device="meta")
+    with pytest.raises(ValueError, match="output_splits is on meta but x is on cpu"):
+        C.all_to_all_single(x, meta, [2, 2])
+    with pytest.raises(ValueError, match="output_splits is on meta but x is on cpu"):
+        OPS.all_to_all_single(x, meta, torch.tensor([2, 2]), dist.group.WORLD.group_name)
+    # Groups: by name, one this rank is not in.
+    with pytest.raises(ValueError, match="group must be a torch.distributed.ProcessGroup"):
+        C.all_gather(x, group="WORLD")
+    only_zero = dist.new_group([0])
+    if rank == 1:
+        with pytest.raises(ValueError, match="rank 1 is not a member of the group"):
+            C.reduce_scatter_sum(x, group=only_zero)
     # Fakes validate too, so torch.compile reports shape errors at trace time.
     with torch._subclasses.FakeTensorMode(), pytest.raises(ValueError, match="not divisible"):
         C.reduce_scatter_sum(torch.empty(3, 3), dim=0)
@@ -211,6 +232,89 @@ def _contract_body(rank, world):
 @pytest.mark.slow
 def test_validation_errors_and_opcheck_in_gloo_group():
     run_distributed(_contract_body, 2)
+
+
+def _raises_everywhere(call, message):
+    """``call`` raises ValueError matching ``message`` on this rank; every rank runs this, so
+    a rank that did not raise would leave the check (and the test) failing, not hanging."""
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def _checked_body(rank, world):
+    """Checked mode on 2 ranks: each mismatch raises the same error on both ranks before the
+    collective starts; afterwards the group is still in step."""
+    x = torch.ones(4, 3)
+    every = r"Every rank raises this error"
+    cases = [
+        # output_splits that disagree with what the peer sends (here rank 1 sends 1 row, rank 0
+        # expects 3): without the check, rank 0 gets uninitialised rows.
+        (
+            lambda: C.all_to_all_single(x, [2, 3], [2, 2] if rank == 0 else [1, 3], checked=True),
+            r"rank 1 sends 1 rows to rank 0 \(its input_splits\[0\]\) but rank 0 expects 3",
+        ),
+        # Rows of different widths, and dtypes that differ: gloo would abort the process.
+        (
+            lambda: C.all_to_all_single(torch.ones(4, 3 + rank), [2, 2], [2, 2], checked=True),
+            r"shape beyond dim 0 and dtype must be the same on every rank; got rank 0: "
+            r"\(\(3,\), 'torch.float32'\), rank 1: \(\(4,\)",
+        ),
+        (
+            lambda: C.all_gather(x.to(torch.bfloat16 if rank else torch.float32), checked=True),
+            "bfloat16",
+        ),
+        (lambda: C.all_gather(torch.ones(2 + rank, 3), checked=True), r"\(3, 3\)"),
+        (lambda: C.reduce_scatter_sum(torch.ones(4, 4), dim=rank, checked=True), "dim"),
+        (lambda: C.all_to_all_single_equal(torch.ones(2 * (rank + 1), 3), checked=True), "shape"),
+        # One rank's own ValueError reaches every rank.
+        (
+            lambda: C.all_to_all_single(x, [2, 2], [2, 2] if rank == 0 else [1, 2], checked=True),
+            r"rank 1 of the group rejected its call: .*input_splits \[1, 2\] sum to 3",
+        ),
+        (
+            lambda: C.reduce_scatter_sum(torch.ones(3 + rank, 2), checked=True),
+            r"rank 0 of the group rejected its call: .*not divisible",
+        ),
+    ]
+    for call, message in cases:
+        _raises_everywhere(call, f"{message}.*{every}")
+
+    # Ring attention: cu_seqlens (or flags) that differ per rank give a wrong result unchecked.
+    q = torch.randn(8, 2, 8)
+    cu = torch.tensor([0, 16] if rank == 0 else [0, 5, 16], dtype=torch.int32)
+    _raises_everywhere(
+        lambda: ring_attention(q, q, q, cu, 16, checked=True), f"cu_seqlens .*{every}"
+    )
+    same_cu = torch.tensor([0, 16], dtype=torch.int32)
+    _raises_everywhere(
+        lambda: ring_attention(q, q, q, same_cu, 16, causal=rank == 0, checked=True),
+        f"causal must be the same on every rank; got rank 0: True, rank 1: False.*{every}",
+    )
+    _raises_everywhere(  # one rank's local error (its q has a different head dim)
+        lambda: ring_attention(torch.randn(8, 2, 8 + 8 * rank), q, q, same_cu, 16, checked=True),
+        f"rank 1 of the group rejected its call: q and k must have the same head dim.*{every}",
+    )
+
+    # The environment variable turns the mode on for calls that do not say.
+    os.environ[CHECK_ENV] = "1"
+    try:
+        _raises_everywhere(lambda: C.all_gather(torch.ones(2 + rank, 3)), every)
+    finally:
+        del os.environ[CHECK_ENV]
+
+    # Nothing half-started: the group is in step, and checked calls that fit run normally.
+    assert C.all_gather(torch.tensor([rank]), checked=True).tolist() == [0, 1]
+    send = [1, 2] if rank == 0 else [3, 0]
+    recv = [1, 3] if rank == 0 else [2, 0]
+    out = C.all_to_all_single(torch.full((sum(send), 2), float(rank)), recv, send, checked=True)
+    assert out[:, 0].tolist() == [0.0] * recv[0] + [1.0] * recv[1]
+    out, _ = ring_attention(q, q, q, same_cu, 16, checked=True)
+    assert out.shape == q.shape
+
+
+@pytest.mark.slow
+def test_checked_mode_raises_on_every_rank():
+    run_distributed(_checked_body, 2, timeout=60)
 
 
 def _uses_every_op(x, y, send, recv, group):

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import prime_ops  # noqa: F401  (registers the ops)
+from prime_ops import collectives as C
 from prime_ops.attn import ring_attention, varlen_attention
 from tests.dist_utils import run_distributed
 
@@ -32,6 +35,8 @@ def _batch(lengths, h, hkv, dtype, seed):
 
 def _check_ring(rank, world):
     _check_errors(rank, world)
+    if world == 2:
+        _check_opcheck_and_gradcheck(rank, world)
     for index, (lengths, h, hkv, dtype, softcap) in enumerate(BATCHES):
         for causal in (True, False):
             q, k, v, dout, cu = _batch(lengths, h, hkv, dtype, seed=index)
@@ -77,10 +82,44 @@ def _check_errors(rank, world):
         assert out.shape == q.shape
 
 
+def _replicated_ring(q, k, v, cu, max_seqlen, causal, softcap):
+    """Full attention of full q, k, v (the same on every rank) computed by the ring: each rank
+    takes its shard through a reduce-scatter of ``x / W`` (whose adjoint all-gathers the shard
+    gradients) and the outputs are all-gathered. Every rank computes the same function of the
+    same inputs, so gradcheck's perturbations stay in step across ranks."""
+    world = dist.get_world_size()
+    shards = [C.reduce_scatter_sum(t / world) for t in (q, k, v)]
+    out, _ = ring_attention(*shards, cu, max_seqlen, causal=causal, softcap=softcap)
+    return C.all_gather(out)
+
+
+def _check_opcheck_and_gradcheck(rank, world):
+    gen = torch.Generator().manual_seed(7)
+    cu = torch.tensor([0, 1, 4], dtype=torch.int32)  # the second sequence crosses the shards
+    q, k, v = (torch.randn(4, heads, 2, generator=gen, dtype=torch.float64) for heads in (2, 1, 1))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    fn = functools.partial(_replicated_ring, cu=cu, max_seqlen=3, causal=True, softcap=2.0)
+    assert torch.autograd.gradcheck(fn, leaves, atol=1e-8, rtol=1e-6)
+
+    shard = slice(rank * 2, (rank + 1) * 2)
+    local = [t[shard].float().requires_grad_() for t in (q, k, v)]
+    name = dist.group.WORLD.group_name
+    args = (*local, cu, 3, True, 0.4, 1.5, name, "sdpa")
+    torch.library.opcheck(torch.ops.prime_rl_attn.ring_attention.default, args)
+    out, lse = torch.ops.prime_rl_attn.ring_attention(*args)
+    assert lse.dtype == torch.float32
+    detached = [t.detach() for t in local]
+    bwd_args = (torch.randn_like(out).detach(), *detached, out.detach(), lse, *args[3:])
+    torch.library.opcheck(torch.ops.prime_rl_attn.ring_attention_backward.default, bwd_args)
+    with pytest.raises(ValueError, match="dout on meta"):
+        torch.ops.prime_rl_attn.ring_attention_backward(bwd_args[0].to("meta"), *bwd_args[1:])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_matches_full_attention(world):
-    """Outputs, lse and q/k/v gradients of every shard; invalid calls raise before any send."""
+    """Outputs, lse and q/k/v gradients of every shard; invalid calls raise before any send;
+    on 2 ranks also opcheck and a float64 gradcheck of the whole ring."""
     run_distributed(_check_ring, world)
 
 

@@ -9,18 +9,33 @@ Causal masking across shards needs no special kernel: a key shard from an earlie
 wholly before the local queries (plain attention within each sequence), the rank's own shard is
 causal with queries and keys aligned, and later shards are skipped. The backward runs the same
 ring; each shard's key/value gradients travel with it and arrive at their owner after ``W``
-steps. Any backend of :mod:`prime_ops.attn.varlen` computes the steps.
+steps. Any backend of :mod:`prime_ops.attn.varlen` computes the steps. Partial results are
+accumulated in fp32, or in fp64 for fp64 inputs (so float64 gradient checks are exact).
+
+Every rank must pass the same ``cu_seqlens`` and flags; a rank cannot see that its peers'
+differ, so :func:`ring_attention`'s checked mode (see :mod:`prime_ops.groups`) compares a
+fingerprint of every rank's call before the first send.
 """
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.distributed_c10d import _resolve_process_group
 
+from prime_ops.attn.sdpa import lse_dtype
 from prime_ops.attn.seqlens import can_read, shard_cu_seqlens, spans
 from prime_ops.attn.varlen import check_arguments, get_backend
+from prime_ops.groups import (
+    agree,
+    checked_mode,
+    rank_local,
+    resolve,
+    resolve_name,
+    same_on_every_rank,
+)
 
 __all__ = ["ring_attention"]
 
@@ -54,6 +69,26 @@ def _unpack(flat: Tensor, like: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
     return flat[: k.numel()].view(k.shape), flat[k.numel() :].view(v.shape)
 
 
+def merge_partial(
+    out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Merge a partial attention result into the running one through their log-sum-exp.
+
+    ``out`` ``[T, H, Dv]`` and ``lse`` ``[H, T]`` are the running result (in the accumulation
+    dtype), ``part_*`` a step's; rows where both lse are ``-inf`` stay ``0`` / ``-inf``. The ring
+    calls only this to merge, so a fused kernel (``prime_rl::merge_attn_states``) can replace it.
+    """
+    merged = torch.logaddexp(lse, part_lse.to(lse.dtype))
+    finite = merged.masked_fill(merged == float("-inf"), 0.0)
+    old_w = torch.exp(lse - finite).transpose(0, 1).unsqueeze(-1)
+    new_w = torch.exp(part_lse.to(lse.dtype) - finite).transpose(0, 1).unsqueeze(-1)
+    return out * old_w + part_out.to(out.dtype) * new_w, merged
+
+
+def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _steps(rank: int, world: int, causal: bool):
     """``(step, (source rank, step is causal))`` for the steps that compute; causal rings skip
     the shards that lie after the local queries."""
@@ -63,7 +98,7 @@ def _steps(rank: int, world: int, causal: bool):
             yield step, (src, causal and src == rank)
 
 
-def _check(q, k, v, cu_seqlens, max_seqlen, softmax_scale, softcap, backend):
+def _check(q, k, v, cu_seqlens, max_seqlen, softmax_scale, softcap, backend, grads=None):
     spec = get_backend(backend)
     check_arguments(
         spec,
@@ -77,6 +112,7 @@ def _check(q, k, v, cu_seqlens, max_seqlen, softmax_scale, softcap, backend):
         softmax_scale,
         *_NO_WINDOW,
         softcap,
+        grads=grads,
     )
     if k.shape[0] != q.shape[0]:
         raise ValueError(
@@ -98,15 +134,17 @@ def _ring_attention(
     group_name: str,
     backend: str,
 ) -> tuple[Tensor, Tensor]:
-    _check(q, k, v, cu_seqlens, max_seqlen, softmax_scale, softcap, backend)
+    group = resolve_name(group_name, "ring_attention")
+    with rank_local("ring_attention", group):
+        _check(q, k, v, cu_seqlens, max_seqlen, softmax_scale, softcap, backend)
     spec = get_backend(backend)
-    group = _resolve_process_group(group_name)
     rank, world = group.rank(), group.size()
     tokens = q.shape[0]
     cu_q = shard_cu_seqlens(cu_seqlens, rank * tokens, tokens)
     max_len = min(max_seqlen, tokens)
-    out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float32, device=q.device)
-    lse = torch.full((q.shape[1], tokens), float("-inf"), dtype=torch.float32, device=q.device)
+    acc = _accumulate_dtype(q.dtype)
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=acc, device=q.device)
+    lse = torch.full((q.shape[1], tokens), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
     computing = dict(_steps(rank, world, causal))
     kv = _pack(k, v, dtype=k.dtype)
     for step in range(world):
@@ -130,12 +168,7 @@ def _ring_attention(
                 *_NO_WINDOW,
                 softcap,
             )
-            merged = torch.logaddexp(lse, part_lse)
-            finite = merged.masked_fill(merged == float("-inf"), 0.0)
-            old_w = torch.exp(lse - finite).transpose(0, 1).unsqueeze(-1)
-            new_w = torch.exp(part_lse - finite).transpose(0, 1).unsqueeze(-1)
-            out = out * old_w + part_out.to(torch.float32) * new_w
-            lse = merged
+            out, lse = merge_partial(out, lse, part_out, part_lse)
         _wait(reqs)
     return out.to(q.dtype), lse
 
@@ -144,7 +177,7 @@ def _ring_attention(
 def _(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, softcap, group_name, backend):
     _check(q, k, v, cu_seqlens, max_seqlen, softmax_scale, softcap, backend)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
-    return out, q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
+    return out, q.new_empty(q.shape[1], q.shape[0], dtype=lse_dtype(q.dtype))
 
 
 @torch.library.custom_op("prime_rl_attn::ring_attention_backward", mutates_args=())
@@ -163,16 +196,20 @@ def _ring_attention_backward(
     group_name: str,
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    group = resolve_name(group_name, "ring_attention_backward")
+    grads = (dout, out, lse)
+    with rank_local("ring_attention_backward", group):
+        _check(q, k, v, cu_seqlens, max_seqlen, softmax_scale, softcap, backend, grads)
     spec = get_backend(backend)
-    group = _resolve_process_group(group_name)
     rank, world = group.rank(), group.size()
     tokens = q.shape[0]
     cu_q = shard_cu_seqlens(cu_seqlens, rank * tokens, tokens)
     max_len = min(max_seqlen, tokens)
     computing = dict(_steps(rank, world, causal))
-    dq = torch.zeros_like(q, dtype=torch.float32)
+    acc = _accumulate_dtype(q.dtype)
+    dq = torch.zeros_like(q, dtype=acc)
     kv = _pack(k, v, dtype=k.dtype)
-    dkv, dkv_reqs = torch.zeros(kv.numel(), dtype=torch.float32, device=q.device), []
+    dkv, dkv_reqs = torch.zeros(kv.numel(), dtype=acc, device=q.device), []
     for step in range(world):
         current, kv_reqs = kv, []
         if step + 1 < world:
@@ -199,7 +236,7 @@ def _ring_attention_backward(
                 softcap,
             )
             dq += dq_s
-            partial = _pack(dk_s, dv_s, dtype=torch.float32)
+            partial = _pack(dk_s, dv_s, dtype=acc)
         _wait(dkv_reqs)  # dkv now holds the accumulator of this step's shard
         if partial is not None:
             dkv += partial
@@ -213,7 +250,8 @@ def _ring_attention_backward(
 
 
 @_ring_attention_backward.register_fake
-def _(dout, q, k, v, *args):
+def _(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, scale, softcap, group, backend):
+    _check(q, k, v, cu_seqlens, max_seqlen, scale, softcap, backend, (dout, out, lse))
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -236,6 +274,33 @@ def _ring_backward(ctx, dout, _dlse):
 _ring_attention.register_autograd(_ring_backward, setup_context=_setup_context)
 
 
+def _fingerprint(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, softcap, backend):
+    """What every rank's call must agree on; shapes are per shard, so they must match too."""
+    digest = hashlib.sha256(str(cu_seqlens.tolist()).encode()).hexdigest()[:16]
+    shapes = tuple(tuple(t.shape) for t in (q, k, v))
+    return shapes, str(q.dtype), digest, max_seqlen, causal, softmax_scale, softcap, backend
+
+
+_FIELDS = (
+    "q/k/v shard shapes",
+    "dtype",
+    "cu_seqlens (sha256 prefix)",
+    "max_seqlen",
+    "causal",
+    "softmax_scale",
+    "softcap",
+    "backend",
+)
+
+
+def _ring_fits(fingerprints) -> str | None:
+    for i, field in enumerate(_FIELDS):
+        problem = same_on_every_rank(field, [f[i] for f in fingerprints])
+        if problem is not None:
+            return problem
+    return None
+
+
 def ring_attention(
     q: Tensor,
     k: Tensor,
@@ -249,29 +314,43 @@ def ring_attention(
     softcap: float = 0.0,
     backend: str = "sdpa",
     check_cu_seqlens: bool = True,
+    checked: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Self-attention over a packed batch sharded by tokens across ``group``; ``(out, lse)`` for
     the local queries, equal to full attention. Every rank must call it with same-sized shards
     (shard ``r`` holds packed tokens ``[r * T, (r + 1) * T)``) and the same ``cu_seqlens``
     (``cu_seqlens[-1] == T * group.size()``). Arguments otherwise as in
     :func:`prime_ops.attn.varlen_attention`; sliding windows are not supported.
+
+    ``checked`` (default: the ``PRIME_OPS_CHECK_COLLECTIVES`` environment variable) first
+    compares every rank's shapes, dtype, ``cu_seqlens`` (a digest), ``max_seqlen``, flags and
+    backend, and raises the same ValueError on every rank if they differ (one small collective).
+
+    Example (2 ranks, 16 packed tokens in 3 sequences, 8 per rank)::
+
+        cu = torch.tensor([0, 5, 12, 16], dtype=torch.int32)
+        q, k, v = (torch.randn(8, 4, 16) for _ in range(3))  # this rank's shard
+        out, lse = ring_attention(q, k, v, cu, 7, causal=True)
     """
-    group = group if group is not None else dist.group.WORLD
-    get_backend(backend)
+    op = "ring_attention"
+    group = resolve(group, op)
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
-    if check_cu_seqlens and can_read(cu_seqlens):
-        _check(q, k, v, cu_seqlens, max_seqlen, softmax_scale, softcap, backend)
+    args = (q, k, v, cu_seqlens, max_seqlen)
+    flags = (float(softmax_scale), float(softcap), backend)
+
+    def check_locally():
+        _check(*args, *flags)
         spans(cu_seqlens, q.shape[0] * group.size(), max_seqlen, "cu_seqlens")
-    return _ring_attention(
-        q,
-        k,
-        v,
-        cu_seqlens,
-        max_seqlen,
-        causal,
-        float(softmax_scale),
-        float(softcap),
-        group.group_name,
-        backend,
-    )
+
+    if checked_mode(checked) and can_read(cu_seqlens):
+
+        def describe():
+            check_locally()
+            return _fingerprint(*args, causal, *flags)
+
+        agree(op, group, describe, _ring_fits)
+    elif check_cu_seqlens and can_read(cu_seqlens):
+        with rank_local(op, group):
+            check_locally()
+    return _ring_attention(*args, causal, *flags[:2], group.group_name, backend)
