@@ -6,9 +6,11 @@ replay. prime_ac imports torch only: it knows operators by name, never by import
 """
 
 from prime_ac.audit import AuditReport, audit
-from prime_ac.blocks import checkpoint_blocks, find_blocks, unwrap_blocks
+from prime_ac.blocks import find_blocks, unwrap_blocks
+from prime_ac.checkpoint import checkpoint_blocks
 from prime_ac.config import ACConfig
-from prime_ac.policy import MODES, OperatorPolicy, ReplayMismatchError, context_fn, make_policy
+from prime_ac.contexts import KeptOutputMutatedError, ReplayMismatchError, context_fn
+from prime_ac.policy import MODES, OperatorPolicy, make_policy
 from prime_ac.targets import DEFAULT_TARGETS, HOST_SYNC_TARGETS, MANDATORY_TARGETS, Target
 
 __all__ = [
@@ -18,6 +20,7 @@ __all__ = [
     "MODES",
     "ACConfig",
     "AuditReport",
+    "KeptOutputMutatedError",
     "OperatorPolicy",
     "ReplayMismatchError",
     "Target",

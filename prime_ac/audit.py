@@ -18,18 +18,18 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
-from torch.utils.checkpoint import _RECOMPUTE, SAC_IGNORED_OPS, _sac_storage_key
 
-from prime_ac.blocks import _BlockCheckpoint, _is_wrapped, _unwrap, _wrap
-from prime_ac.measure import operator_flops, track_step
-from prime_ac.policy import (
-    _REPLAY_IGNORED_OPS,
-    HOST_SYNC,
-    MANDATORY,
-    _CachingMode,
-    _ReplayMode,
+from prime_ac._compat import tree_leaves
+from prime_ac.blocks import (
+    BlockCheckpoint,
+    checkpoint_state,
+    checkpointing_disabled,
+    wrap_block,
+    wrapped_blocks,
 )
+from prime_ac.contexts import PASS, KeepMode, RegionCache, ReplayMode
+from prime_ac.measure import operator_flops, track_step
+from prime_ac.policy import HOST_SYNC, MANDATORY
 from prime_ac.targets import TargetSet, operator_key
 
 __all__ = ["AuditReport", "CallRecord", "OpRecord", "audit", "op_name"]
@@ -165,18 +165,20 @@ class _Recorder:
         return self.ops[key]
 
 
-class _AuditCachingMode(_CachingMode):
-    def __init__(self, policy, storage, recorder: _Recorder, state: _BlockCheckpoint):
-        super().__init__(policy, storage)
+class _AuditKeepMode(KeepMode):
+    def __init__(self, cache, rules, recorder: _Recorder, state: BlockCheckpoint):
+        super().__init__(cache, rules)
         self.recorder, self.state = recorder, state
+        self.positions: dict[Any, int] = defaultdict(int)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        stored = self.cache.stored
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        if func in SAC_IGNORED_OPS or func in _REPLAY_IGNORED_OPS:
+        if self.rules.action(func) == PASS:
             return out
-        key = _sac_storage_key(func, args)
-        index = self.func_counter[key] - 1
-        kept = self.storage[key][index] is not _RECOMPUTE
+        index = self.positions[func]
+        self.positions[func] += 1
+        kept = self.cache.stored != stored
         verdict = self.state.policy.classify(func)
         decision = (
             (MANDATORY if verdict in (MANDATORY, HOST_SYNC) else "kept") if kept else "replayed"
@@ -192,26 +194,32 @@ class _AuditCachingMode(_CachingMode):
         return out
 
 
-class _AuditReplayMode(_ReplayMode):
-    def __init__(self, storage, recorder: _Recorder, state: _BlockCheckpoint):
-        super().__init__(storage, f"block {state.name!r}")
+class _AuditReplayMode(ReplayMode):
+    record = True  # enter even when nothing was kept, to count the replays
+
+    def __init__(self, cache, rules, recorder: _Recorder, state: BlockCheckpoint):
+        super().__init__(cache, rules)
         self.recorder, self.state = recorder, state
+        self.positions: dict[Any, int] = defaultdict(int)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        key = _sac_storage_key(func, args)
-        index = self.func_counter[key]
-        replays = self.storage.get(key, {}).get(index) is _RECOMPUTE
+        hits = self.cache.hits
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        if replays and func not in SAC_IGNORED_OPS and func not in _REPLAY_IGNORED_OPS:
-            self.recorder.by_position[(self.state.name, func, index)].replayed = True
+        if self.rules.action(func) == PASS:
+            return out
+        index = self.positions[func]
+        self.positions[func] += 1
+        call = self.recorder.by_position.get((self.state.name, func, index))
+        if self.cache.hits == hits and call is not None:  # re-executed, not handed back
+            call.replayed = True
             record = self.recorder.record(self.state.name, func, "replayed")
             record.replays += 1
             record.replayed_flops += operator_flops(func, args, kwargs, out)
         return out
 
 
-def _wrapped_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    blocks = [(name, m) for name, m in model.named_modules() if _is_wrapped(m)]
+def _checkpointed_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    blocks = wrapped_blocks(model)
     if not blocks:
         raise ValueError(
             "audit found no checkpointed block: call prime_ac.checkpoint_blocks(model, ...) first"
@@ -220,40 +228,28 @@ def _wrapped_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 @contextmanager
-def _unwrapped(blocks: list[tuple[str, nn.Module]]) -> Iterator[None]:
-    states = [(block, block._prime_ac) for _, block in blocks]
-    for _, block in blocks:
-        _unwrap(block)
-    try:
-        yield
-    finally:
-        for block, state in states:
-            _wrap(block, state)
-
-
-@contextmanager
 def _recording(blocks: list[tuple[str, nn.Module]], recorder: _Recorder) -> Iterator[None]:
-    states = [(block, block._prime_ac) for _, block in blocks]
+    states = [(block, checkpoint_state(block)) for _, block in blocks]
     for block, state in states:
-        block._prime_ac = dataclasses.replace(
-            state, context_fn=_recording_contexts(state, recorder)
+        wrap_block(
+            block, dataclasses.replace(state, context_fn=_recording_contexts(state, recorder))
         )
     try:
         yield
     finally:
         for block, state in states:
-            block._prime_ac = state
+            wrap_block(block, state)
 
 
-def _recording_contexts(state: _BlockCheckpoint, recorder: _Recorder):
+def _recording_contexts(state: BlockCheckpoint, recorder: _Recorder):
     inner = state.context_fn
 
     def contexts():
-        caching, _ = inner()  # the policy in effect, exactly as the block would use it
-        storage: dict[Any, dict[int, Any]] = defaultdict(dict)
+        keep, _ = inner()  # the rules in effect, exactly as the block would use them
+        cache = RegionCache(f"block {state.name!r}")
         return (
-            _AuditCachingMode(caching.policy_fn, storage, recorder, state),
-            _AuditReplayMode(storage, recorder, state),
+            _AuditKeepMode(cache, keep.rules, recorder, state),
+            _AuditReplayMode(cache, keep.rules, recorder, state),
         )
 
     return contexts
@@ -275,7 +271,8 @@ def audit(model: nn.Module, loss_fn: LossFn) -> AuditReport:
     """Run one training step (``loss_fn(model).backward()``) and report the policy in effect.
 
     The model must already be wrapped by :func:`prime_ac.checkpoint_blocks`. The step runs twice
-    (once with the blocks unwrapped, for the no-AC baseline); parameter gradients are restored
+    (once with checkpointing disabled in place, for the no-AC baseline; nothing is unwrapped,
+    so it works on a model sharded by FSDP2 after or before wrapping); parameter gradients are restored
     afterwards, other side effects of the step (optimizer-free buffers, counters) are not.
 
     Example::
@@ -284,14 +281,14 @@ def audit(model: nn.Module, loss_fn: LossFn) -> AuditReport:
         report = prime_ac.audit(model, lambda m: m.loss(batch))
         print(report)                 # a table; report.to_json() for tools
     """
-    blocks = _wrapped_blocks(model)
+    blocks = _checkpointed_blocks(model)
     with _grads_preserved(model):
-        with _unwrapped(blocks):
+        with checkpointing_disabled(model):
             held_none, forward_flops = track_step(model, loss_fn)
         recorder = _Recorder()
         with _recording(blocks, recorder):
             held, _ = track_step(model, loss_fn)
-    state = blocks[0][1]._prime_ac
+    state = checkpoint_state(blocks[0][1])
     policy = state.policy
     mode = "auto" if state.plan is not None else policy.mode
     targets = list(policy.targets) if mode == "selective" else []

@@ -15,7 +15,6 @@ point the knapsack can only match or beat.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -24,18 +23,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from prime_ac.policy import OperatorPolicy, _CachingMode, _ReplayMode
+from prime_ac._compat import schema_is_mutable
+from prime_ac.audit import audit
+from prime_ac.contexts import Rules, checkpoint_contexts
+from prime_ac.policy import OperatorPolicy
 
 __all__ = [
     "BlockPlan",
-    "apply_budget",
     "budget_context_fn",
     "choose_calls",
     "per_block_budget",
     "plan_block",
+    "plan_budget",
 ]
-
-_SAVE = torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
 
 
 @dataclass(frozen=True)
@@ -95,13 +95,7 @@ def per_block_budget(budget: Any, held_bytes_no_ac: int, n_blocks: int, block: s
 def plan_block(block: str, calls: list[Any], capacity: int) -> BlockPlan:
     """Knapsack over one block's profiled calls (``prime_ac.audit.CallRecord``)."""
     mandatory = sum(c.bytes for c in calls if c.decision == "mandatory")
-    candidates = [
-        c
-        for c in calls
-        if c.replayed
-        and c.flops > 0
-        and not (isinstance(c.op, torch._ops.OpOverload) and c.op._schema.is_mutable)
-    ]
+    candidates = [c for c in calls if c.replayed and c.flops > 0 and not schema_is_mutable(c.op)]
     chosen = choose_calls([(c.bytes, c.flops) for c in candidates], max(capacity - mandatory, 0))
     kept = [candidates[i] for i in chosen]
     return BlockPlan(
@@ -116,43 +110,29 @@ def plan_block(block: str, calls: list[Any], capacity: int) -> BlockPlan:
 def budget_context_fn(
     policy: OperatorPolicy, kept: frozenset[tuple[Any, int]], name: str
 ) -> Callable[[], tuple[Any, Any]]:
-    """Checkpoint contexts keeping the planned calls on top of ``policy`` (full mode)."""
+    """Checkpoint contexts keeping the planned calls on top of ``policy`` (full mode).
 
-    def contexts() -> tuple[Any, Any]:
-        calls: dict[Any, int] = defaultdict(int)
-
-        def decide(ctx: Any, op: Any, *args: Any, **kwargs: Any):
-            index = calls[op]
-            calls[op] = index + 1
-            if (op, index) in kept:
-                return _SAVE
-            return policy(ctx, op, *args, **kwargs)
-
-        storage: dict[Any, dict[int, Any]] = defaultdict(dict)
-        return _CachingMode(decide, storage), _ReplayMode(storage, name)
-
-    return contexts
+    A planned call is named by its operator overload and its index among that overload's calls
+    in the block's forward; the recompute counts the same calls, so it finds them again.
+    """
+    plan: dict[Any, set[int]] = defaultdict(set)
+    for op, index in kept:
+        plan[op].add(index)
+    return checkpoint_contexts(
+        Rules(policy, {op: frozenset(indices) for op, indices in plan.items()}), name
+    )
 
 
-def apply_budget(
+def plan_budget(
     model: nn.Module, profile: Callable[[nn.Module], torch.Tensor], budget: Any
-) -> list[BlockPlan]:
-    """Profile one step of the full-mode-wrapped ``model`` and switch each block to its plan."""
-    from prime_ac.audit import audit
+) -> dict[str, BlockPlan]:
+    """Profile one step of the full-mode-wrapped ``model`` and plan each checkpointed block.
 
+    Returns ``{block name: plan}``; the model is left as it was (the caller applies the plans).
+    """
     report = audit(model, profile)
-    modules = dict(model.named_modules())
-    plans = []
+    plans = {}
     for name in report.blocks:
         capacity = per_block_budget(budget, report.held_bytes_no_ac, len(report.blocks), name)
-        plan = plan_block(name, report.calls.get(name, []), capacity)
-        block = modules[name]
-        block._prime_ac = dataclasses.replace(
-            block._prime_ac,
-            context_fn=budget_context_fn(
-                block._prime_ac.policy, frozenset(plan.kept), f"block {name!r}"
-            ),
-            plan=plan,
-        )
-        plans.append(plan)
+        plans[name] = plan_block(name, report.calls.get(name, []), capacity)
     return plans
