@@ -204,6 +204,9 @@ def test_flashmla_front_under_fake_cuda_never_imports_backend(monkeypatch):
         few_heads = torch.empty(7, 8, 576, dtype=torch.bfloat16, device="cuda")
         with pytest.raises(ValueError, match="64 or 128 query heads"):
             sparse_mla(few_heads, kv, idx, backend="flashmla")
+        ragged = torch.empty(7, 1, 100, dtype=torch.int32, device="cuda")
+        with pytest.raises(ValueError, match="multiple of 128"):
+            sparse_mla(q, kv, ragged, backend="flashmla")
 
 
 # --------------------------------------------------------------------------- checks and op tests

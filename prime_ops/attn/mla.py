@@ -169,7 +169,7 @@ def flashmla_forward(
     return out, lse.masked_fill(lse == float("inf"), _NEG_INF)
 
 
-def _flashmla_limits(q: Tensor, kv: Tensor, d_v: int) -> None:
+def _flashmla_limits(q: Tensor, kv: Tensor, indices: Tensor, d_v: int) -> None:
     if kv.shape[1] != 1:
         raise ValueError(f"backend 'flashmla' needs one KV head (MQA); got Hkv={kv.shape[1]}")
     if q.shape[1] not in (64, 128):
@@ -178,6 +178,11 @@ def _flashmla_limits(q: Tensor, kv: Tensor, d_v: int) -> None:
         raise ValueError(
             f"backend 'flashmla' needs d_qk 512 or 576 and d_v 512; got d_qk={q.shape[2]}, "
             f"d_v={d_v}. Use backend='triton' or 'reference' for other head dims."
+        )
+    if indices.shape[2] == 0 or indices.shape[2] % 128:
+        raise ValueError(
+            f"backend 'flashmla' needs topk to be a positive multiple of 128 (its kernels read "
+            f"indices in blocks of 128); got {indices.shape[2]}. Pad indices with -1."
         )
 
 
@@ -208,7 +213,7 @@ def _triton_device(q: Tensor) -> None:
         )
 
 
-def _no_limits(q: Tensor, kv: Tensor, d_v: int) -> None:
+def _no_limits(q: Tensor, kv: Tensor, indices: Tensor, d_v: int) -> None:
     pass
 
 
@@ -224,7 +229,7 @@ class SparseMLABackend:
     name: str
     device_types: tuple[str, ...] | None  # None: any device
     dtypes: tuple[torch.dtype, ...]
-    limits: Callable[[Tensor, Tensor, int], None]  # (q, kv, d_v) -> raise ValueError
+    limits: Callable[[Tensor, Tensor, Tensor, int], None]  # (q, kv, indices, d_v) -> raise
     forward: Callable[..., tuple[Tensor, Tensor]]
     backward: Callable[..., tuple[Tensor, Tensor]]
 
@@ -323,7 +328,7 @@ def check_arguments(
         )
     if spec.name == "triton" and device == "cpu":
         _triton_device(q)
-    spec.limits(q, kv, d_v)
+    spec.limits(q, kv, indices, d_v)
     return spec
 
 
