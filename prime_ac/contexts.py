@@ -175,6 +175,10 @@ class RegionCache:
         self.entries.setdefault(op, {})[index] = entry
         self.stored += 1
 
+    def handed_back(self, op: Any) -> int:
+        """How many kept results of ``op`` the recompute received (and so did not rerun)."""
+        return sum(entry is _CONSUMED for entry in self.entries.get(op, {}).values())
+
     def _hold(self, t: torch.Tensor, op: Any, index: int) -> None:
         sid = _compat.storage_id(t)
         if sid is not None:

@@ -1,20 +1,18 @@
-"""The per-operator save/replay policy and the selective-checkpoint context that applies it."""
+"""The per-operator save/replay policy: which operators a checkpointed block keeps.
+
+The contexts that apply it during a checkpointed forward and recompute are in
+:mod:`prime_ac.contexts`.
+"""
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import torch
-from torch.utils.checkpoint import (
-    SAC_IGNORED_OPS,
-    CheckpointPolicy,
-    _CachedTorchDispatchMode,
-    _CachingTorchDispatchMode,
-    _sac_storage_key,
-)
+from torch.utils.checkpoint import CheckpointPolicy
 
+from prime_ac._compat import schema_is_mutable
 from prime_ac.targets import (
     DEFAULT_TARGETS,
     HOST_SYNC_TARGETS,
@@ -23,14 +21,7 @@ from prime_ac.targets import (
     operator_key,
 )
 
-__all__ = [
-    "MODES",
-    "OperatorPolicy",
-    "ReplayMismatchError",
-    "context_fn",
-    "make_policy",
-    "reads_device_into_host",
-]
+__all__ = ["MODES", "OperatorPolicy", "make_policy", "reads_device_into_host"]
 
 Mode = Literal["full", "selective"]
 MODES: tuple[str, ...] = ("full", "selective")
@@ -41,20 +32,7 @@ MANDATORY, KEPT, REPLAYED, HOST_SYNC = "mandatory", "kept", "replayed", "host_sy
 _SAVE = CheckpointPolicy.MUST_SAVE
 _RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
 _HOST_SYNC_OPS = frozenset(tuple(t.split("::")) for t in HOST_SYNC_TARGETS)
-
-# FSDP2 runs its hooks under record_function; a recompute can emit a different number of these
-# markers than the forward did. They carry no data, so both modes let them through uncounted.
-_REPLAY_IGNORED_OPS = frozenset(
-    {
-        torch.ops.profiler._record_function_enter.default,
-        torch.ops.profiler._record_function_enter_new.default,
-        torch.ops.profiler._record_function_exit._RecordFunction,
-    }
-)
-
-
-class ReplayMismatchError(RuntimeError):
-    """The recompute of a checkpointed block ran an operator its forward did not run."""
+_LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default
 
 
 class OperatorPolicy:
@@ -83,7 +61,7 @@ class OperatorPolicy:
         key = operator_key(op)
         if self.mandatory.matches(key):
             return MANDATORY
-        mutates = isinstance(op, torch._ops.OpOverload) and op._schema.is_mutable
+        mutates = schema_is_mutable(op)
         if self.mode == "selective" and not mutates and self.targets.matches(key):
             return KEPT
         if key[:2] in _HOST_SYNC_OPS:
@@ -110,7 +88,7 @@ def reads_device_into_host(op: Any, args: tuple, kwargs: dict) -> bool:
     source = args[0] if args else None
     if not isinstance(source, torch.Tensor) or source.device.type == "cpu":
         return False
-    if op._opname == "_local_scalar_dense":
+    if op is _LOCAL_SCALAR_DENSE:
         return True
     device = kwargs.get("device")
     return device is not None and torch.device(device).type == "cpu"
@@ -132,56 +110,3 @@ def make_policy(
     target_set = TargetSet(DEFAULT_TARGETS if targets is None else targets)
     mandatory_set = TargetSet((*MANDATORY_TARGETS, *TargetSet(mandatory)))
     return OperatorPolicy(mode, target_set, mandatory_set)
-
-
-def context_fn(
-    mode: Mode = "selective",
-    targets: Iterable[str] | None = None,
-    mandatory: Iterable[str] = (),
-    *,
-    policy: OperatorPolicy | None = None,
-    name: str = "<checkpointed region>",
-) -> Callable[[], tuple[Any, Any]]:
-    """What ``torch.utils.checkpoint.checkpoint(..., context_fn=...)`` takes.
-
-    For trainers that wrap regions themselves. ``name`` appears in replay-mismatch errors.
-    """
-    policy = make_policy(mode, targets, mandatory) if policy is None else policy
-
-    def contexts() -> tuple[Any, Any]:
-        storage: dict[Any, dict[int, Any]] = defaultdict(dict)
-        return _CachingMode(policy, storage), _ReplayMode(storage, name)
-
-    return contexts
-
-
-class _CachingMode(_CachingTorchDispatchMode):
-    """torch's SAC forward mode, letting profiler markers through uncounted."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in _REPLAY_IGNORED_OPS:
-            return func(*args, **(kwargs or {}))
-        return super().__torch_dispatch__(func, types, args, kwargs)
-
-
-class _ReplayMode(_CachedTorchDispatchMode):
-    """torch's SAC recompute mode with the same markers ignored and errors that name the block."""
-
-    def __init__(self, storage: dict[Any, dict[int, Any]], name: str):
-        super().__init__(None, storage)
-        self.name = name
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in _REPLAY_IGNORED_OPS:
-            return func(*args, **(kwargs or {}))
-        key = _sac_storage_key(func, args)
-        index = self.func_counter[key]
-        if func not in SAC_IGNORED_OPS and index not in self.storage.get(key, ()):
-            raise ReplayMismatchError(
-                f"prime_ac: the recompute of {self.name} ran {func} (call #{index + 1}) which its "
-                "forward did not run. The block must run the same operators in forward and "
-                "recompute: create lazily built state (communication buffers, caches) before the "
-                "first checkpointed forward, and keep data-dependent control flow out of the block "
-                "or make its inputs mandatory targets."
-            )
-        return super().__torch_dispatch__(func, types, args, kwargs)

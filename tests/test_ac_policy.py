@@ -137,7 +137,7 @@ def test_bad_mode_and_targets_name_the_fix():
         make_policy("selective", "aten::mm")
 
 
-def test_unregistered_and_invisible_targets_are_reported_once(caplog, model_factory):
+def test_unregistered_and_invisible_targets_are_reported_per_call(caplog, model_factory):
     caplog.set_level(logging.WARNING, logger="prime_ac")
     targets = ["no_such_namespace_xyz", "aten::no_such_op", "aten::linear", "aten::mm.nope"]
     prime_ac.checkpoint_blocks(model_factory(), mode="selective", targets=targets)
@@ -146,9 +146,9 @@ def test_unregistered_and_invisible_targets_are_reported_once(caplog, model_fact
     assert "'aten::no_such_op' names no registered operator" in text
     assert "'aten::linear' is CompositeImplicitAutograd" in text
     assert "'aten::mm.nope' names no registered overload" in text
-    caplog.clear()
+    caplog.clear()  # reported per call: the second model in a process is warned too
     prime_ac.checkpoint_blocks(model_factory(), mode="selective", targets=targets)
-    assert caplog.text == ""
+    assert "'aten::no_such_op' names no registered operator" in caplog.text
     with pytest.raises(ValueError, match="aten::linear"):
         prime_ac.checkpoint_blocks(model_factory(), mode="selective", targets=targets, strict=True)
     # Registered, visible targets pass strict mode.
