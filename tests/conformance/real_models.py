@@ -1,0 +1,400 @@
+"""Tiny random-weight configs of real ``transformers`` and ``diffusers`` model classes.
+
+Each case builds its model from a config (nothing is downloaded), in float32, train mode, with
+every dropout at 0, and one fixed batch; it names the blocks that discovery must wrap. Sizes are
+the smallest the classes accept, so a training step takes milliseconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+VOCAB = 128
+SEQ = 8
+BATCH = 2
+HELD_RATIOS = "conformance_held_bytes_ratio"  # test property the conftest tabulates
+
+
+@dataclass(frozen=True)
+class Case:
+    """One model family: how to build it and its batch, and the blocks discovery must find."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    batch: Callable[[], dict[str, Any]]
+    blocks: tuple[str, ...]
+
+    def loss(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        """The model's own loss where it has one, else a fixed random projection of its output.
+
+        A projection, not ``out.pow(2).mean()``: after a final LayerNorm the latter is a constant.
+        """
+        out = model(**batch)
+        if getattr(out, "loss", None) is not None:
+            return out.loss
+        first = out[0] if isinstance(out, tuple) else next(iter(out.values()))
+        weights = torch.randn(first.shape, generator=torch.Generator().manual_seed(2))
+        return (first.float() * weights).sum()
+
+
+def _names(container: str, n: int) -> tuple[str, ...]:
+    return tuple(f"{container}.{i}" for i in range(n))
+
+
+def _hf(config_class: str, model_class: str, **config: Any) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import transformers
+
+        cfg = getattr(transformers, config_class)(**config)
+        torch.manual_seed(0)
+        return getattr(transformers, model_class)(cfg).float().train()
+
+    return build
+
+
+def _tokens(labels: bool = True, **extra: Any) -> Callable[[], dict[str, Any]]:
+    def batch() -> dict[str, Any]:
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+        return {"input_ids": ids, **({"labels": ids} if labels else {}), **extra}
+
+    return batch
+
+
+def _seq2seq() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "input_ids": torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
+        "labels": torch.randint(0, VOCAB, (BATCH, 5), generator=g),
+        "use_cache": False,
+    }
+
+
+def _pixels() -> dict[str, Any]:
+    return {
+        "pixel_values": torch.randn(BATCH, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    }
+
+
+# Causal LMs are called with use_cache=False: in training a KV cache filled in the forward would
+# be filled again by the recompute (see docs/checkpointing.md, Recipes).
+_LM_BATCH = _tokens(use_cache=False)
+_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_DECODER = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    attention_dropout=0.0,
+    **_IDS,
+)
+_MOE = dict(num_experts_per_tok=2)
+
+
+def _flux(double: int = 2, single: int = 2) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        from diffusers import FluxTransformer2DModel
+
+        torch.manual_seed(0)
+        return FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=4,
+            num_layers=double,
+            num_single_layers=single,
+            attention_head_dim=8,
+            num_attention_heads=2,
+            joint_attention_dim=16,
+            pooled_projection_dim=16,
+            axes_dims_rope=(2, 2, 4),
+        ).train()
+
+    return build
+
+
+def _flux_batch() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1)
+    image, text = 16, 4
+    return {
+        "hidden_states": torch.randn(BATCH, image, 4, generator=g),
+        "encoder_hidden_states": torch.randn(BATCH, text, 16, generator=g),
+        "pooled_projections": torch.randn(BATCH, 16, generator=g),
+        "timestep": torch.tensor([0.25, 0.75]),
+        "img_ids": torch.randn(image, 3, generator=g),
+        "txt_ids": torch.zeros(text, 3),
+        "return_dict": False,
+    }
+
+
+def _wan() -> nn.Module:
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=4,
+        out_channels=4,
+        text_dim=16,
+        freq_dim=16,
+        ffn_dim=32,
+        num_layers=2,
+        rope_max_seq_len=32,
+    ).train()
+
+
+def _wan_batch() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "hidden_states": torch.randn(BATCH, 4, 2, 4, 4, generator=g),  # (B, C, frames, H, W)
+        "timestep": torch.tensor([10, 500]),
+        "encoder_hidden_states": torch.randn(BATCH, 6, 16, generator=g),
+        "return_dict": False,
+    }
+
+
+CASES = [
+    # dense decoder LMs
+    Case(
+        "llama",
+        _hf("LlamaConfig", "LlamaForCausalLM", **_DECODER),
+        _LM_BATCH,
+        _names("model.layers", 2),
+    ),
+    Case(
+        "qwen2",
+        _hf("Qwen2Config", "Qwen2ForCausalLM", **_DECODER),
+        _LM_BATCH,
+        _names("model.layers", 2),
+    ),
+    Case(
+        "qwen3",
+        _hf("Qwen3Config", "Qwen3ForCausalLM", head_dim=8, **_DECODER),
+        _LM_BATCH,
+        _names("model.layers", 2),
+    ),
+    Case(
+        "gpt2",
+        _hf(
+            "GPT2Config",
+            "GPT2LMHeadModel",
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            **_IDS,
+        ),
+        _LM_BATCH,
+        _names("transformer.h", 2),
+    ),
+    # MoE LMs: Mixtral and Qwen3-MoE (norm_topk_prob=True) normalise the top-k values in place
+    Case(
+        "mixtral",
+        _hf("MixtralConfig", "MixtralForCausalLM", num_local_experts=4, **_MOE, **_DECODER),
+        _LM_BATCH,
+        _names("model.layers", 2),
+    ),
+    Case(
+        "qwen3_moe",
+        _hf(
+            "Qwen3MoeConfig",
+            "Qwen3MoeForCausalLM",
+            head_dim=8,
+            num_experts=4,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            **_MOE,
+            **_DECODER,
+        ),
+        _LM_BATCH,
+        _names("model.layers", 2),
+    ),
+    Case(
+        "olmoe",
+        _hf(
+            "OlmoeConfig",
+            "OlmoeForCausalLM",
+            num_experts=4,
+            norm_topk_prob=False,
+            **_MOE,
+            **_DECODER,
+        ),
+        _LM_BATCH,
+        _names("model.layers", 2),
+    ),
+    # DeepSeek-V3: one dense layer, then MoE layers (MLA attention, grouped routing)
+    Case(
+        "deepseek_v3",
+        _hf(
+            "DeepseekV3Config",
+            "DeepseekV3ForCausalLM",
+            **{**_DECODER, "num_hidden_layers": 3, "num_key_value_heads": 4},
+            first_k_dense_replace=1,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            n_routed_experts=4,
+            n_group=2,
+            topk_group=1,
+            kv_lora_rank=16,
+            q_lora_rank=24,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=4,
+            v_head_dim=8,
+            **_MOE,
+        ),
+        _LM_BATCH,
+        _names("model.layers", 3),
+    ),
+    # hybrids (PyTorch mamba paths, no kernels needed): blocks of different classes in one stack
+    Case(
+        "jamba",
+        _hf(
+            "JambaConfig",
+            "JambaForCausalLM",
+            **_DECODER,
+            num_experts=2,
+            num_experts_per_tok=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            mamba_d_state=4,
+            mamba_dt_rank=4,
+        ),
+        _LM_BATCH,
+        _names("model.layers", 2),
+    ),
+    # Zamba2: two hybrid layers share one transformer whose LoRA adapters sit in ModuleLists
+    Case(
+        "zamba2",
+        _hf(
+            "Zamba2Config",
+            "Zamba2ForCausalLM",
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=3,
+            layers_block_type=["mamba", "hybrid", "hybrid"],
+            mamba_d_state=8,
+            mamba_headdim=8,
+            n_mamba_heads=8,
+            chunk_size=4,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            attention_dropout=0.0,
+            num_mem_blocks=1,
+            use_shared_attention_adapter=True,
+            adapter_rank=4,
+            max_position_embeddings=64,
+            **_IDS,
+        ),
+        _LM_BATCH,
+        _names("model.layers", 3),
+    ),
+    # encoder, encoder-decoder, vision encoders
+    Case(
+        "bert",
+        _hf(
+            "BertConfig",
+            "BertForMaskedLM",
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=64,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            pad_token_id=0,
+        ),
+        _tokens(),
+        _names("bert.encoder.layer", 2),
+    ),
+    Case(
+        "t5",
+        _hf(
+            "T5Config",
+            "T5ForConditionalGeneration",
+            vocab_size=VOCAB,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=4,
+            dropout_rate=0.0,
+            decoder_start_token_id=0,
+            **_IDS,
+        ),
+        _seq2seq,
+        _names("encoder.block", 2) + _names("decoder.block", 2),
+    ),
+    Case(
+        "vit",
+        _hf(
+            "ViTConfig",
+            "ViTModel",
+            image_size=16,
+            patch_size=4,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        ),
+        _pixels,
+        _names("layers", 2),
+    ),
+    Case(
+        "clip_vision",
+        _hf(
+            "CLIPVisionConfig",
+            "CLIPVisionModel",
+            image_size=16,
+            patch_size=4,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            attention_dropout=0.0,
+        ),
+        _pixels,
+        _names("encoder.layers", 2),
+    ),
+    # DiTs: double-stream and single-stream blocks; a video DiT
+    Case(
+        "flux",
+        _flux(),
+        _flux_batch,
+        _names("transformer_blocks", 2) + _names("single_transformer_blocks", 2),
+    ),
+    Case("wan", _wan, _wan_batch, _names("blocks", 2)),
+]
+
+# One-layer stacks (a debug config, a DiT with one double block): discovery only.
+ONE_LAYER_CASES = [
+    Case(
+        "llama_1_layer",
+        _hf("LlamaConfig", "LlamaForCausalLM", **{**_DECODER, "num_hidden_layers": 1}),
+        _LM_BATCH,
+        ("model.layers.0",),
+    ),
+    Case(
+        "flux_1_double_1_single",
+        _flux(double=1, single=1),
+        _flux_batch,
+        ("transformer_blocks.0", "single_transformer_blocks.0"),
+    ),
+]
