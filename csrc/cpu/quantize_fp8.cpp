@@ -28,25 +28,56 @@ inline float pow2_scale(float amax, float scale) {
   return amax / p > kFp8Max ? p * 2.0f : p;
 }
 
+inline uint32_t bits_of(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof b);
+  return b;
+}
+
+inline float float_of(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, sizeof f);
+  return f;
+}
+
+// float -> float8_e4m3fn bits, round to nearest even, bit-identical to c10::Float8_e4m3fn(f) for
+// |f| <= 448 and NaN (the only inputs after the clamp). Both rounding paths are computed and one
+// selected, so the loop vectorises.
+inline uint8_t e4m3fn_bits(float f) {
+  const uint32_t all = bits_of(f), sign = all & 0x80000000u, mag = all ^ sign;
+  constexpr uint32_t kDenormMagic = 141u << 23;  // adding 2^-6 * 2^3 rounds to a denormal step
+  const uint32_t denormal = bits_of(float_of(mag) + float_of(kDenormMagic)) - kDenormMagic;
+  const uint32_t normal = (mag + (uint32_t(7 - 127) << 23) + 0x7ffffu + ((mag >> 20) & 1u)) >> 20;
+  uint32_t r = mag < (121u << 23) ? denormal : normal;
+  r = mag > 0x7f800000u ? 0x7fu : r;  // NaN stays NaN
+  return static_cast<uint8_t>(r | (sign >> 24));
+}
+
 template <typename scalar_t>
 void quantize_block(const scalar_t* x, int64_t k, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
-                    bool ue8m0, c10::Float8_e4m3fn* q, float* scale) {
-  float amax = 0.0f;
+                    bool ue8m0, uint8_t* q, float* scale) {
+  // |x| compared as integers: the order of non-negative floats, with NaN above inf, so a NaN
+  // propagates as in torch.amax and the reduction vectorises.
+  uint32_t amax_bits = 0;
   for (int64_t r = r0; r < r1; ++r) {
+    const scalar_t* row = x + r * k;
     for (int64_t c = c0; c < c1; ++c) {
-      const float a = std::abs(static_cast<float>(x[r * k + c]));
-      amax = (a > amax || a != a) ? a : amax;  // NaN propagates, as in torch.amax
+      const uint32_t b = bits_of(static_cast<float>(row[c])) & 0x7fffffffu;
+      amax_bits = b > amax_bits ? b : amax_bits;
     }
   }
+  float amax = float_of(amax_bits);
   amax = amax < 1e-12f ? 1e-12f : amax;
   float s = amax / kFp8Max;
   if (ue8m0) s = pow2_scale(amax, s);
   *scale = s;
   for (int64_t r = r0; r < r1; ++r) {
+    const scalar_t* row = x + r * k;
+    uint8_t* out = q + r * k;
     for (int64_t c = c0; c < c1; ++c) {
-      float v = static_cast<float>(x[r * k + c]) / s;
+      float v = static_cast<float>(row[c]) / s;
       v = v < -kFp8Max ? -kFp8Max : (v > kFp8Max ? kFp8Max : v);
-      q[r * k + c] = c10::Float8_e4m3fn(v);
+      out[c] = e4m3fn_bits(v);
     }
   }
 }
@@ -67,7 +98,7 @@ std::tuple<Tensor, Tensor> quantize_fp8_blockwise(Tensor x, int64_t block_rows,
   dispatch_floating(x.scalar_type(), "x", [&](auto s) {
     using scalar_t = decltype(s);
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
-    auto* qp = static_cast<c10::Float8_e4m3fn*>(q.mutable_data_ptr());
+    auto* qp = static_cast<uint8_t*>(q.mutable_data_ptr());
     float* sp = scale.mutable_data_ptr<float>();
     const int64_t grain = block_rows == 1 ? 16 : 1;
     torch::stable::parallel_for(0, row_blocks, grain, [&](int64_t begin, int64_t end) {

@@ -31,8 +31,10 @@ LIBRARY = "prime_ops_native"
 ABI_TARGET = (2, 10)  # oldest torch whose stable ABI the library may load into
 _TARGET = f"-DTORCH_TARGET_VERSION=0x{ABI_TARGET[0]:02x}{ABI_TARGET[1]:02x}000000000000"
 # -O3: at -O2 GCC's loop vectoriser runs its 'very cheap' model and skips most kernel loops.
-# -ffp-contract=off: no FMA contraction, so the CPU kernels round like the eager chains.
-_CFLAGS = ["-O3", "-ffp-contract=off", _TARGET]
+# -march=native: the build runs on the machine that uses it (as Inductor's CPU code does), so
+# the loops vectorise for its widest ISA. -ffp-contract=off: no FMA contraction, so the CPU
+# kernels round like the eager chains.
+_CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", _TARGET]
 _NVCC_FLAGS = ["-O2", "-std=c++17", "--expt-relaxed-constexpr", _TARGET]
 
 
