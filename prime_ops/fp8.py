@@ -2,15 +2,22 @@
 
 ``prime_rl::fp8_blockwise_mm(x, weight)`` computes ``x @ weight.T`` after quantizing ``x`` in 1x128
 blocks and ``weight`` in 128x128 blocks to ``torch.float8_e4m3fn`` with fp32 scales (the recipe of
-DeepGEMM's SM90 ``fp8_gemm_nt``). ``prime_rl::grouped_fp8_gemm(x, weight, offsets)`` does the same
+DeepGEMM's ``fp8_gemm_nt``). ``prime_rl::grouped_fp8_gemm(x, weight, offsets)`` does the same
 per expert over the contiguous grouped layout: rows ``offsets[g-1]:offsets[g]`` of ``x`` use
 ``weight[g]``. Both ops take high-precision tensors and quantize inside, so one opaque op is what
 autograd, torch.compile and checkpoint policies see. The backward ops reuse the same two kernels
 (every product is an "NT" GEMM of a 1x128-quantized left and a 128x128-quantized right operand),
 so the CPU kernels define the semantics the GPU path is tested against.
 
+Scales are ``amax / 448`` per block, or, with ``ue8m0=True``, that value rounded up to a power of
+two. DeepGEMM on SM100 reads scales as UE8M0 (it keeps only the exponent of an fp32 scale, which
+is wrong by up to 2x unless the scale already is a power of two), so ``ue8m0=None`` (the default)
+means "power-of-two scales where the device needs them": on CUDA devices of compute capability 10
+and later; never on CPU. Pass ``ue8m0=True`` on CPU to get exactly what an SM100 GPU computes.
+
 :func:`fp8_gemm_nt` and :func:`grouped_fp8_gemm_nt` multiply tensors that are already quantized;
-:func:`quantize_blockwise` and :func:`dequantize_blockwise` produce and invert that format.
+:func:`quantize_blockwise` (the one quantizer every op here uses) and :func:`dequantize_blockwise`
+produce and invert that format.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from prime_ops.backends import import_backend
+from prime_ops.devices import check_same_device
 from prime_ops.grouped import check_offsets_meta, check_offsets_values
 
 __all__ = [
@@ -35,14 +43,32 @@ BLOCK = 128
 FP8_DTYPE = torch.float8_e4m3fn
 _FP8_MAX = torch.finfo(FP8_DTYPE).max
 _HIGH_PRECISION = (torch.bfloat16, torch.float16, torch.float32)
-_BUILD = (
-    "DeepGEMM is built from source: git clone --recursive https://github.com/deepseek-ai/DeepGEMM "
-    "&& cd DeepGEMM && ./install.sh (see docs/backends.md)"
+_AMAX_FLOOR = 1e-12  # an all-zero block gets a tiny, finite scale
+BUILD = (
+    "DeepGEMM is built from source (nothing on PyPI installs it): git clone --recursive "
+    "https://github.com/deepseek-ai/DeepGEMM && cd DeepGEMM && ./install.sh (see docs/backends.md)"
 )
 
 
 def _deep_gemm():
-    return import_backend("deep_gemm", extra="deepgemm", build=_BUILD)
+    return import_backend("deep_gemm", extra=None, build=BUILD)
+
+
+def needs_ue8m0(device: torch.device) -> bool:
+    """Whether DeepGEMM on ``device`` reads scales as UE8M0 (SM100 and later)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10
+
+
+def _resolve_ue8m0(ue8m0: bool | None, device: torch.device) -> bool:
+    needed = needs_ue8m0(device)
+    if ue8m0 is None:
+        return needed
+    if needed and not ue8m0:
+        raise ValueError(
+            f"ue8m0=False on {device}: DeepGEMM on this GPU (SM100+) keeps only the exponent of "
+            "each scale, so fp32 scales would be wrong by up to 2x; pass ue8m0=None or True"
+        )
+    return ue8m0
 
 
 def _blocks(n: int) -> int:
@@ -52,11 +78,19 @@ def _blocks(n: int) -> int:
 # --- quantization -------------------------------------------------------------------------------
 
 
-def quantize_blockwise(t: torch.Tensor, block_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blockwise(
+    t: torch.Tensor, block_rows: int, *, ue8m0: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D tensor to float8_e4m3fn with one fp32 scale per ``block_rows x 128`` block.
 
     ``block_rows=1`` is the activation layout (scales ``[M, ceil(K/128)]``), ``block_rows=128``
-    the weight layout (scales ``[ceil(N/128), ceil(K/128)]``). ``dequantize`` is ``q * scale``.
+    the weight layout (scales ``[ceil(N/128), ceil(K/128)]``). The rule, in fp32: ``scale =
+    max(amax, 1e-12) / 448`` per block (rounded up to a power of two with ``ue8m0=True``), then
+    ``q = round_to_nearest_even(clamp(t / scale, -448, 448))``; ``dequantize`` is ``q * scale``.
+
+    Example::
+
+        q, scale = quantize_blockwise(torch.randn(4, 256), 1)  # q [4, 256], scale [4, 2]
     """
     if block_rows not in (1, BLOCK):
         raise ValueError(f"block_rows must be 1 or {BLOCK}, got {block_rows}")
@@ -68,8 +102,13 @@ def quantize_blockwise(t: torch.Tensor, block_rows: int) -> tuple[torch.Tensor, 
     padded = torch.nn.functional.pad(t.float(), (0, pc, 0, pr))
     nr, nc = (rows + pr) // block_rows, (cols + pc) // BLOCK
     blocks = padded.view(nr, block_rows, nc, BLOCK)
-    amax = blocks.abs().amax(dim=(1, 3), keepdim=True).clamp(min=1e-12)
+    amax = blocks.abs().amax(dim=(1, 3), keepdim=True).clamp(min=_AMAX_FLOOR)
     scale = amax / _FP8_MAX
+    if ue8m0:
+        mantissa, exponent = torch.frexp(
+            scale
+        )  # scale = mantissa * 2**exponent, mantissa in [0.5, 1)
+        scale = torch.ldexp(torch.ones_like(scale), exponent - (mantissa == 0.5).int())
     q = (blocks / scale).clamp(-_FP8_MAX, _FP8_MAX).to(FP8_DTYPE)
     q = q.view(rows + pr, cols + pc)[:rows, :cols].contiguous()
     return q, scale.view(nr, nc).contiguous()
@@ -132,9 +171,11 @@ def fp8_gemm_nt(
 ) -> torch.Tensor:
     """``a @ b.T`` for FP8 ``a [M, K]`` (1x128 scales) and ``b [N, K]`` (128x128 scales).
 
-    CUDA calls ``deep_gemm.fp8_gemm_nt`` (bf16 output, then cast); CPU dequantizes and multiplies
-    in fp32.
+    The product accumulates in fp32 and is rounded once to ``out_dtype``. CUDA calls
+    ``deep_gemm.fp8_gemm_nt`` (writing fp32 directly unless ``out_dtype`` is bf16); CPU
+    dequantizes and multiplies in fp32.
     """
+    check_same_device("fp8_gemm_nt", a=a, a_scale=a_scale, b=b, b_scale=b_scale)
     _check_fp8("a", a)
     _check_fp8("b", b)
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
@@ -161,11 +202,16 @@ def grouped_fp8_gemm_nt(
 ) -> torch.Tensor:
     """Rows ``offsets[g-1]:offsets[g]`` of FP8 ``a [M, K]`` times ``b[g].T`` (``b [G, N, K]``).
 
-    CUDA calls ``deep_gemm.m_grouped_fp8_gemm_nt_contiguous`` with the per-row group index it
-    expects; each group's row count must then be a multiple of
-    ``deep_gemm.get_mk_alignment_for_contiguous_layout()`` (DeepEP's ``expert_alignment`` gives
-    that). CPU multiplies group by group in fp32.
+    Any segment lengths work. On CUDA ``deep_gemm.m_grouped_fp8_gemm_nt_contiguous`` reads one
+    group index per block of rows, so each segment is padded to
+    ``deep_gemm.get_mk_alignment_for_contiguous_layout()`` rows (padding rows marked -1, which
+    the kernel skips) and the padding is stripped from the result, all on the device. That
+    kernel writes bf16 only; other output dtypes run one ``fp8_gemm_nt`` per group (one host
+    read of ``offsets``). CPU multiplies group by group in fp32.
     """
+    check_same_device(
+        "grouped_fp8_gemm_nt", a=a, a_scale=a_scale, b=b, b_scale=b_scale, offsets=offsets
+    )
     _check_fp8("a", a)
     _check_fp8("b", b)
     if a.dim() != 2 or b.dim() != 3 or a.shape[1] != b.shape[2]:
@@ -189,32 +235,78 @@ def grouped_fp8_gemm_nt(
     return out
 
 
+def _check_power_of_two(device: torch.device, *scales: torch.Tensor) -> None:
+    if needs_ue8m0(device):  # queued on the device: no host sync
+        ok = torch.stack([(torch.frexp(s).mantissa == 0.5).all() for s in scales]).all()
+        torch._assert_async(ok, "DeepGEMM on SM100+ needs power-of-two scales (ue8m0=True)")
+
+
+def _d_dtype(out_dtype: torch.dtype) -> torch.dtype:
+    """DeepGEMM writes bf16 or fp32: anything but bf16 is written in fp32 and cast once."""
+    return torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
+
+
 def _deep_gemm_nt(a, a_scale, b, b_scale, out_dtype):
-    d = torch.empty(a.shape[0], b.shape[0], dtype=torch.bfloat16, device=a.device)
+    _check_power_of_two(a.device, a_scale, b_scale)
+    d = torch.empty(a.shape[0], b.shape[0], dtype=_d_dtype(out_dtype), device=a.device)
     _deep_gemm().fp8_gemm_nt((a, a_scale), (b, b_scale), d)
     return d.to(out_dtype)
 
 
 def _deep_gemm_grouped_nt(a, a_scale, b, b_scale, offsets, out_dtype):
-    # DeepGEMM's contiguous layout names each row's group: the searchsorted of its index.
-    rows = torch.arange(a.shape[0], device=a.device, dtype=torch.int32)
-    group_of_row = torch.searchsorted(offsets, rows, right=True).to(torch.int32)
-    d = torch.empty(a.shape[0], b.shape[1], dtype=torch.bfloat16, device=a.device)
-    _deep_gemm().m_grouped_fp8_gemm_nt_contiguous((a, a_scale), (b, b_scale), d, group_of_row)
-    return d.to(out_dtype)
+    deep_gemm = _deep_gemm()
+    if _d_dtype(out_dtype) != torch.bfloat16:
+        out = a.new_empty(a.shape[0], b.shape[1], dtype=out_dtype)
+        start = 0
+        for i, end in enumerate(offsets.tolist()):
+            rows = slice(start, end)
+            out[rows] = _deep_gemm_nt(a[rows], a_scale[rows], b[i], b_scale[i], out_dtype)
+            start = end
+        return out
+    _check_power_of_two(a.device, a_scale, b_scale)
+    align = deep_gemm.get_mk_alignment_for_contiguous_layout()
+    dest, group_of_row, padded_rows = _padded_layout(offsets, a.shape[0], align)
+    layout = torch.full((padded_rows,), -1, dtype=torch.int32, device=a.device)
+    layout[dest] = group_of_row
+    a_pad = a.new_zeros(padded_rows, a.shape[1])
+    a_pad[dest] = a
+    a_scale_pad = a_scale.new_ones(padded_rows, a_scale.shape[1])
+    a_scale_pad[dest] = a_scale
+    d = torch.empty(padded_rows, b.shape[1], dtype=torch.bfloat16, device=a.device)
+    deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a_pad, a_scale_pad), (b, b_scale), d, layout)
+    return d[dest]
+
+
+def _padded_layout(offsets: torch.Tensor, rows: int, align: int):
+    """Where each row goes when every group's segment is padded to a multiple of ``align``.
+
+    Returns ``(dest, group_of_row, padded_rows)``: row ``r`` of group ``g`` lands at
+    ``dest[r]``; ``padded_rows`` is a bound known without reading ``offsets`` on the host.
+    """
+    counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    padded = (counts + align - 1) // align * align
+    padded_starts = torch.cumsum(padded, 0) - padded
+    starts = offsets - counts
+    row = torch.arange(rows, device=offsets.device, dtype=offsets.dtype)
+    group_of_row = torch.searchsorted(offsets, row, right=True).to(torch.int32)
+    dest = (padded_starts[group_of_row] + row - starts[group_of_row]).long()
+    bound = rows + offsets.numel() * (align - 1)
+    return dest, group_of_row, (bound + align - 1) // align * align
 
 
 # --- the ops ------------------------------------------------------------------------------------
 
 
-def _mm_nt(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def _mm_nt(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, ue8m0: bool) -> torch.Tensor:
     """Quantize ``a`` (1x128) and ``b`` (128x128), then ``a @ b.T``."""
-    return fp8_gemm_nt(*quantize_blockwise(a, 1), *quantize_blockwise(b, BLOCK), out_dtype)
+    qa, sa = quantize_blockwise(a, 1, ue8m0=ue8m0)
+    qb, sb = quantize_blockwise(b, BLOCK, ue8m0=ue8m0)
+    return fp8_gemm_nt(qa, sa, qb, sb, out_dtype)
 
 
-def _grouped_nt(a, b, offsets, out_dtype):
-    qa, sa = quantize_blockwise(a, 1)
-    qb, sb = zip(*(quantize_blockwise(w, BLOCK) for w in b), strict=True)
+def _grouped_nt(a, b, offsets, out_dtype, ue8m0):
+    qa, sa = quantize_blockwise(a, 1, ue8m0=ue8m0)
+    qb, sb = zip(*(quantize_blockwise(w, BLOCK, ue8m0=ue8m0) for w in b), strict=True)
     return grouped_fp8_gemm_nt(qa, sa, torch.stack(qb), torch.stack(sb), offsets, out_dtype)
 
 
@@ -224,6 +316,7 @@ def _pad_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _check_mm(x: torch.Tensor, weight: torch.Tensor) -> None:
+    check_same_device("prime_rl::fp8_blockwise_mm", x=x, weight=weight)
     _check_high_precision("x", x)
     _check_high_precision("weight", weight)
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
@@ -236,44 +329,56 @@ def _check_mm(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 @torch.library.custom_op("prime_rl::fp8_blockwise_mm", mutates_args=())
-def _fp8_blockwise_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _fp8_blockwise_mm(
+    x: torch.Tensor, weight: torch.Tensor, ue8m0: bool | None = None
+) -> torch.Tensor:
     _check_mm(x, weight)
-    return _mm_nt(x, weight, x.dtype)
+    return _mm_nt(x, weight, x.dtype, _resolve_ue8m0(ue8m0, x.device))
 
 
 @_fp8_blockwise_mm.register_fake
-def _(x, weight):
+def _(x, weight, ue8m0=None):
     _check_mm(x, weight)
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
 @torch.library.custom_op("prime_rl::fp8_blockwise_mm_backward", mutates_args=())
 def _fp8_blockwise_mm_backward(
-    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, ue8m0: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    grad_x = _mm_nt(grad, weight.T.contiguous(), x.dtype)
-    grad_w = _mm_nt(_pad_rows(grad).T.contiguous(), _pad_rows(x).T.contiguous(), weight.dtype)
+    check_same_device("prime_rl::fp8_blockwise_mm_backward", grad=grad, x=x, weight=weight)
+    ue8m0 = _resolve_ue8m0(ue8m0, x.device)
+    grad_x = _mm_nt(grad, weight.T.contiguous(), x.dtype, ue8m0)
+    grad_w = _mm_nt(
+        _pad_rows(grad).T.contiguous(), _pad_rows(x).T.contiguous(), weight.dtype, ue8m0
+    )
     return grad_x, grad_w
 
 
 @_fp8_blockwise_mm_backward.register_fake
-def _(grad, x, weight):
+def _(grad, x, weight, ue8m0=None):
+    check_same_device("prime_rl::fp8_blockwise_mm_backward", grad=grad, x=x, weight=weight)
     return torch.empty_like(x), torch.empty_like(weight)
 
 
 def _mm_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
+    x, weight, ctx.ue8m0 = inputs
+    ctx.save_for_backward(x, weight)
 
 
 def _mm_backward(ctx, grad):
     x, weight = ctx.saved_tensors
-    return tuple(torch.ops.prime_rl.fp8_blockwise_mm_backward(grad.contiguous(), x, weight))
+    grad_x, grad_w = torch.ops.prime_rl.fp8_blockwise_mm_backward(
+        grad.contiguous(), x, weight, ctx.ue8m0
+    )
+    return grad_x, grad_w, None
 
 
 _fp8_blockwise_mm.register_autograd(_mm_backward, setup_context=_mm_setup)
 
 
 def _check_grouped(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> None:
+    check_same_device("prime_rl::grouped_fp8_gemm", x=x, weight=weight, offsets=offsets)
     _check_high_precision("x", x)
     _check_high_precision("weight", weight)
     if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[2]:
@@ -287,22 +392,32 @@ def _check_grouped(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
 
 
 @torch.library.custom_op("prime_rl::grouped_fp8_gemm", mutates_args=())
-def _grouped_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def _grouped_fp8_gemm(
+    x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, ue8m0: bool | None = None
+) -> torch.Tensor:
     _check_grouped(x, weight, offsets)
-    return _grouped_nt(x, weight, offsets, x.dtype)
+    return _grouped_nt(x, weight, offsets, x.dtype, _resolve_ue8m0(ue8m0, x.device))
 
 
 @_grouped_fp8_gemm.register_fake
-def _(x, weight, offsets):
+def _(x, weight, offsets, ue8m0=None):
     _check_grouped(x, weight, offsets)
     return x.new_empty(x.shape[0], weight.shape[1])
 
 
 @torch.library.custom_op("prime_rl::grouped_fp8_gemm_backward", mutates_args=())
 def _grouped_fp8_gemm_backward(
-    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    offsets: torch.Tensor,
+    ue8m0: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    grad_x = _grouped_nt(grad, weight.transpose(1, 2), offsets, x.dtype)
+    check_same_device(
+        "prime_rl::grouped_fp8_gemm_backward", grad=grad, x=x, weight=weight, offsets=offsets
+    )
+    ue8m0 = _resolve_ue8m0(ue8m0, x.device)
+    grad_x = _grouped_nt(grad, weight.transpose(1, 2), offsets, x.dtype, ue8m0)
     # dW[g] = grad_g.T @ x_g contracts over each group's rows: one dense NT GEMM per group,
     # which needs the offsets on the host (one sync per backward on CUDA).
     grad_w = torch.zeros_like(weight)
@@ -311,41 +426,61 @@ def _grouped_fp8_gemm_backward(
         if end > start:
             lhs = _pad_rows(grad[start:end]).T.contiguous()
             rhs = _pad_rows(x[start:end]).T.contiguous()
-            grad_w[g] = _mm_nt(lhs, rhs, weight.dtype)
+            grad_w[g] = _mm_nt(lhs, rhs, weight.dtype, ue8m0)
         start = end
     return grad_x, grad_w
 
 
 @_grouped_fp8_gemm_backward.register_fake
-def _(grad, x, weight, offsets):
+def _(grad, x, weight, offsets, ue8m0=None):
+    check_same_device(
+        "prime_rl::grouped_fp8_gemm_backward", grad=grad, x=x, weight=weight, offsets=offsets
+    )
     return torch.empty_like(x), torch.empty_like(weight)
 
 
 def _grouped_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
+    x, weight, offsets, ctx.ue8m0 = inputs
+    ctx.save_for_backward(x, weight, offsets)
 
 
 def _grouped_backward(ctx, grad):
     x, weight, offsets = ctx.saved_tensors
     grad_x, grad_w = torch.ops.prime_rl.grouped_fp8_gemm_backward(
-        grad.contiguous(), x, weight, offsets
+        grad.contiguous(), x, weight, offsets, ctx.ue8m0
     )
-    return grad_x, grad_w, None
+    return grad_x, grad_w, None, None
 
 
 _grouped_fp8_gemm.register_autograd(_grouped_backward, setup_context=_grouped_setup)
 
 
-def fp8_blockwise_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` in block-scaled FP8 (``x [..., K]``, ``weight [N, K]``); autograd-enabled."""
-    out = torch.ops.prime_rl.fp8_blockwise_mm(x.reshape(-1, x.shape[-1]), weight)
+def fp8_blockwise_mm(
+    x: torch.Tensor, weight: torch.Tensor, *, ue8m0: bool | None = None
+) -> torch.Tensor:
+    """``x @ weight.T`` in block-scaled FP8 (``x [..., K]``, ``weight [N, K]``); autograd-enabled.
+
+    ``ue8m0``: power-of-two scales; None picks what the device needs (see the module docstring).
+
+    Example::
+
+        y = fp8_blockwise_mm(torch.randn(8, 256), torch.randn(384, 256))  # [8, 384], fp32
+    """
+    out = torch.ops.prime_rl.fp8_blockwise_mm(x.reshape(-1, x.shape[-1]), weight, ue8m0)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def grouped_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def grouped_fp8_gemm(
+    x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, *, ue8m0: bool | None = None
+) -> torch.Tensor:
     """Per-group ``x_g @ weight[g].T`` in block-scaled FP8 over the contiguous grouped layout.
 
     ``offsets`` is int32 ``[G]``: the cumulative row end of each group (``offsets[-1] == M``), the
-    convention of ``torch._grouped_mm``.
+    convention of ``torch._grouped_mm``; segments may have any length.
+
+    Example::
+
+        offsets = torch.tensor([3, 3, 8], dtype=torch.int32)  # rows 0:3 -> 0, 3:8 -> 2
+        z = grouped_fp8_gemm(torch.randn(8, 128), torch.randn(3, 256, 128), offsets)
     """
-    return torch.ops.prime_rl.grouped_fp8_gemm(x, weight, offsets)
+    return torch.ops.prime_rl.grouped_fp8_gemm(x, weight, offsets, ue8m0)

@@ -1,7 +1,13 @@
-"""prime_rl::fp8_blockwise_mm and prime_rl::grouped_fp8_gemm: CPU kernels, fakes, DeepGEMM adapter."""
+"""prime_rl::fp8_blockwise_mm and prime_rl::grouped_fp8_gemm: CPU kernels, fakes, DeepGEMM adapter.
+
+The reference is written here from the definition, in float64, without prime_ops' quantizer:
+per-block amax, fp32 scale (rounded up to a power of two for UE8M0), e4m3 round-to-nearest-even
+by explicit spacing. Errors against exact math are bounded by the e4m3 rounding bound.
+"""
 
 from __future__ import annotations
 
+import math
 import sys
 import types
 
@@ -12,20 +18,80 @@ from torch.library import opcheck
 
 import prime_ops
 from prime_ops import fp8
-from prime_ops.fp8 import BLOCK, FP8_DTYPE, dequantize_blockwise, quantize_blockwise
+from prime_ops.fp8 import BLOCK, FP8_DTYPE, quantize_blockwise
+
+E4M3_MAX, E4M3_MIN_EXP, E4M3_MANTISSA_BITS = 448.0, -6, 3
 
 
-def _dq(t, block_rows):
-    return dequantize_blockwise(*quantize_blockwise(t, block_rows))
+# --- independent float64 reference -------------------------------------------------------------
 
 
-def _pad_rows(t):
-    return torch.nn.functional.pad(t, (0, 0, 0, (-t.shape[0]) % BLOCK))
+def _ref_scales(t: torch.Tensor, block_rows: int, ue8m0: bool) -> torch.Tensor:
+    """One scale per ``block_rows x 128`` block, as float64 holding fp32 (or power-of-two) values."""
+    rows, cols = t.shape
+    out = torch.empty(math.ceil(rows / block_rows), math.ceil(cols / 128), dtype=torch.float64)
+    for i in range(out.shape[0]):
+        for j in range(out.shape[1]):
+            block = t[i * block_rows : (i + 1) * block_rows, j * 128 : (j + 1) * 128]
+            amax = max(block.double().abs().max().item(), 1e-12)
+            scale = float(torch.tensor(amax / E4M3_MAX, dtype=torch.float64).float())
+            if ue8m0:
+                scale = 2.0 ** math.ceil(math.log2(scale))
+            out[i, j] = scale
+    return out
 
 
-def _fp8_mm_reference(a, b):
-    """a @ b.T with a quantized 1x128 and b 128x128, dequantized, in fp32."""
-    return _dq(a, 1) @ _dq(b, BLOCK).T
+def _ref_e4m3(v: torch.Tensor) -> torch.Tensor:
+    """Round float64 values (already within +-448) to the nearest e4m3 value, ties to even."""
+    exp = torch.floor(torch.log2(v.abs().clamp(min=2.0**-30))).clamp(min=E4M3_MIN_EXP)
+    step = torch.exp2(exp - E4M3_MANTISSA_BITS)
+    return torch.round(v / step) * step  # torch.round rounds half to even
+
+
+def _ref_quantize(t: torch.Tensor, block_rows: int, ue8m0: bool = False):
+    """(e4m3 values as float64, scales as float64, per-element scale) of ``t``."""
+    scales = _ref_scales(t, block_rows, ue8m0)
+    full = scales.repeat_interleave(block_rows, 0).repeat_interleave(128, 1)[
+        : t.shape[0], : t.shape[1]
+    ]
+    # The quotient is an fp32 value (the kernels divide in fp32), then rounded to e4m3.
+    q = _ref_e4m3((t.double() / full).float().double().clamp(-E4M3_MAX, E4M3_MAX))
+    return q, scales, full
+
+
+def _ref_dequantized(t, block_rows, ue8m0=False):
+    q, _, full = _ref_quantize(t, block_rows, ue8m0)
+    return q * full
+
+
+def _rounding_bound(t, block_rows, ue8m0=False):
+    """Per element: the largest error quantization may make: half an e4m3 step, plus the fp32
+    rounding of the quotient (which can move a value onto a tie), scaled back."""
+    _, _, full = _ref_quantize(t, block_rows, ue8m0)
+    scaled = t.double().abs() / full
+    exp = torch.floor(torch.log2(scaled.clamp(min=2.0**-30))).clamp(min=E4M3_MIN_EXP)
+    return (torch.exp2(exp - E4M3_MANTISSA_BITS - 1) + 2.0**-23 * scaled) * full
+
+
+def _assert_product_bound(out, a, b, ue8m0=False):
+    """|exact a @ b.T - out| within the e4m3 rounding of both operands plus fp32 accumulation."""
+    a64, b64 = a.double(), b.double()
+    ea, eb = _rounding_bound(a, 1, ue8m0), _rounding_bound(b, BLOCK, ue8m0)
+    bound = ea @ b64.abs().T + a64.abs() @ eb.T + ea @ eb.T
+    bound += a.shape[1] * 2.0**-23 * ((a64.abs() + ea) @ (b64.abs() + eb).T)  # fp32 sums
+    err = (a64 @ b64.T - out.double()).abs()
+    assert torch.all(err <= bound), float((err - bound).max())
+    # ... and the bound is tight: errors do reach a good fraction of it somewhere.
+    assert err.max() >= 0.05 * bound.max()
+
+
+def _varied(gen, rows, cols):
+    """Values whose magnitude varies by orders of magnitude from block to block (and a zero)."""
+    t = torch.randn(rows, cols, generator=gen, dtype=torch.float64)
+    t *= 10.0 ** torch.randint(-6, 4, (rows, 1), generator=gen)
+    t[:, :128] *= 10.0 ** torch.randint(-3, 3, (1, 1), generator=gen)
+    t[0] = 0.0
+    return t.float()
 
 
 @pytest.fixture
@@ -36,17 +102,21 @@ def gen():
 # --- quantization ------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("ue8m0", [False, True])
 @pytest.mark.parametrize("block_rows", [1, BLOCK])
-def test_quantize_layout_and_round_trip(gen, block_rows):
-    t = torch.randn(130, 300, generator=gen) * 5
-    q, scale = quantize_blockwise(t, block_rows)
-    assert q.dtype == FP8_DTYPE and q.shape == t.shape
-    rows = 130 if block_rows == 1 else 2
-    assert scale.shape == (rows, 3) and scale.dtype == torch.float32
-    # The largest magnitude of each block maps to the top of the e4m3 range.
-    assert torch.allclose(q.float().abs().amax(), torch.tensor(448.0))
-    back = dequantize_blockwise(q, scale)
-    assert (back - t).abs().max() <= 0.07 * t.abs().max()
+def test_quantize_matches_the_float64_definition(gen, block_rows, ue8m0):
+    t = _varied(gen, 130, 300)
+    q, scale = quantize_blockwise(t, block_rows, ue8m0=ue8m0)
+    ref_q, ref_scale, _ = _ref_quantize(t, block_rows, ue8m0)
+    assert q.dtype == FP8_DTYPE and q.shape == t.shape and scale.dtype == torch.float32
+    assert scale.shape == ref_scale.shape
+    assert torch.equal(scale.double(), ref_scale)
+    assert torch.equal(q.double(), ref_q)
+    if ue8m0:
+        mantissa, _ = torch.frexp(scale)
+        assert torch.all(mantissa == 0.5)  # exact powers of two, what SM100 reads
+    else:
+        assert q.double().abs().max() == E4M3_MAX  # some block's amax maps to the top
 
 
 def test_quantize_rejects_bad_block():
@@ -57,11 +127,14 @@ def test_quantize_rejects_bad_block():
 # --- dense op ----------------------------------------------------------------------------------
 
 
-def test_forward_is_the_dequantized_product(gen):
-    x, w = torch.randn(7, 256, generator=gen), torch.randn(384, 256, generator=gen)
-    out = fp8.fp8_blockwise_mm(x, w)
-    torch.testing.assert_close(out, _fp8_mm_reference(x, w), rtol=1e-5, atol=1e-5)
-    assert (out - x @ w.T).abs().max() < 0.1 * (x @ w.T).abs().max()
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_forward_against_exact_math(gen, ue8m0):
+    x, w = _varied(gen, 7, 256), torch.randn(384, 256, generator=gen)
+    out = fp8.fp8_blockwise_mm(x, w, ue8m0=ue8m0)
+    assert out.dtype == torch.float32
+    ref = _ref_dequantized(x, 1, ue8m0) @ _ref_dequantized(w, BLOCK, ue8m0).T
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6 * ref.abs().max().item())
+    _assert_product_bound(out, x, w, ue8m0)
 
 
 def test_front_keeps_leading_dims(gen):
@@ -71,28 +144,27 @@ def test_front_keeps_leading_dims(gen):
     torch.testing.assert_close(out.view(6, 128), fp8.fp8_blockwise_mm(x.view(6, 128), w))
 
 
-def test_backward_quantizes_each_product(gen):
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_backward_quantizes_each_product(gen, ue8m0):
     x = torch.randn(5, 256, generator=gen, requires_grad=True)
     w = torch.randn(128, 256, generator=gen, requires_grad=True)
     g = torch.randn(5, 128, generator=gen)
-    fp8.fp8_blockwise_mm(x, w).backward(g)
-    grad_x = _fp8_mm_reference(g, w.detach().T.contiguous())
-    grad_w = _fp8_mm_reference(_pad_rows(g).T.contiguous(), _pad_rows(x.detach()).T.contiguous())
-    torch.testing.assert_close(x.grad, grad_x, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(w.grad, grad_w, rtol=1e-5, atol=1e-5)
-    # ... and they stay close to the exact gradients.
-    assert (x.grad - g @ w.detach()).abs().max() < 0.1 * (g @ w.detach()).abs().max()
-    exact_w = g.T @ x.detach()
-    assert (w.grad - exact_w).abs().max() < 0.1 * exact_w.abs().max()
+    fp8.fp8_blockwise_mm(x, w, ue8m0=ue8m0).backward(g)
+    # grad_x = q(g) @ q(w.T).T; grad_w = q(g.T) @ q(x.T).T (rows zero-padded to 128).
+    _assert_product_bound(x.grad, g, w.detach().T.contiguous(), ue8m0)
+    pad = torch.zeros(123, 128), torch.zeros(123, 256)
+    g_t, x_t = torch.cat([g, pad[0]]).T.contiguous(), torch.cat([x.detach(), pad[1]]).T.contiguous()
+    _assert_product_bound(w.grad, g_t, x_t, ue8m0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_opcheck_dense(gen, dtype):
+@pytest.mark.parametrize(("dtype", "ue8m0"), [(torch.float32, None), (torch.bfloat16, True)])
+def test_opcheck_dense(gen, dtype, ue8m0):
     x = torch.randn(3, 128, generator=gen).to(dtype).requires_grad_()
     w = torch.randn(256, 128, generator=gen).to(dtype).requires_grad_()
-    opcheck(torch.ops.prime_rl.fp8_blockwise_mm.default, (x, w))
+    opcheck(torch.ops.prime_rl.fp8_blockwise_mm.default, (x, w, ue8m0))
     g = torch.randn(3, 256, generator=gen).to(dtype)
-    opcheck(torch.ops.prime_rl.fp8_blockwise_mm_backward.default, (g, x.detach(), w.detach()))
+    args = (g, x.detach(), w.detach(), ue8m0)
+    opcheck(torch.ops.prime_rl.fp8_blockwise_mm_backward.default, args)
 
 
 # --- grouped op --------------------------------------------------------------------------------
@@ -105,27 +177,26 @@ def _grouped_case(gen, counts=(3, 0, 5)):
     return x, w, offsets
 
 
-def test_grouped_matches_per_group_dense(gen):
+def test_grouped_against_exact_math(gen):
     x, w, offsets = _grouped_case(gen)
     g = torch.randn(8, 256, generator=gen)
-    fp8.grouped_fp8_gemm(x, w, offsets).backward(g)
-    ref_x = x.detach().clone().requires_grad_()
-    ref_w = w.detach().clone().requires_grad_()
-    parts, start = [], 0
+    out = fp8.grouped_fp8_gemm(x, w, offsets)
+    out.backward(g)
+    start = 0
     for i, end in enumerate(offsets.tolist()):
-        parts.append(fp8.fp8_blockwise_mm(ref_x[start:end], ref_w[i]))
+        rows = slice(start, end)
+        if end > start:
+            _assert_product_bound(out[rows].detach(), x.detach()[rows], w.detach()[i])
+            _assert_product_bound(x.grad[rows], g[rows], w.detach()[i].T.contiguous())
         start = end
-    torch.cat(parts).backward(g)
-    torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(w.grad, ref_w.grad, rtol=1e-5, atol=1e-5)
     assert torch.all(w.grad[1] == 0)  # the empty group gets no gradient
 
 
 def test_opcheck_grouped(gen):
     x, w, offsets = _grouped_case(gen)
-    opcheck(torch.ops.prime_rl.grouped_fp8_gemm.default, (x, w, offsets))
+    opcheck(torch.ops.prime_rl.grouped_fp8_gemm.default, (x, w, offsets, None))
     g = torch.randn(8, 256, generator=gen)
-    args = (g, x.detach(), w.detach(), offsets)
+    args = (g, x.detach(), w.detach(), offsets, True)
     opcheck(torch.ops.prime_rl.grouped_fp8_gemm_backward.default, args)
 
 
@@ -165,61 +236,122 @@ def test_fakes_on_fake_cuda_without_deep_gemm(monkeypatch):
 # --- DeepGEMM adapter --------------------------------------------------------------------------
 
 
-def _stand_in_deep_gemm(calls):
-    """Records each call and writes the reference result into ``d``, as DeepGEMM would."""
+def _dequantize64(q, scale, block_rows, truncate):
+    if truncate:  # SM100: only the exponent of an fp32 scale survives (mantissa truncated)
+        scale = torch.ldexp(torch.ones_like(scale), torch.frexp(scale).exponent - 1)
+    full = scale.double().repeat_interleave(block_rows, 0).repeat_interleave(128, 1)
+    return q.double() * full[: q.shape[0], : q.shape[1]]
+
+
+def _stand_in_deep_gemm(calls, truncate=False):
+    """DeepGEMM's contract: d written in its own dtype (bf16 or fp32); the contiguous grouped
+    kernel reads one group index per 128-row block and skips blocks marked -1; with
+    ``truncate`` scales are read as UE8M0, as on SM100."""
     module = types.ModuleType("deep_gemm")
 
     def fp8_gemm_nt(a, b, d):
         calls.append(("fp8_gemm_nt", a, b, d))
-        d.copy_(dequantize_blockwise(*a) @ dequantize_blockwise(*b).T)
+        assert d.dtype in (torch.bfloat16, torch.float32)
+        lhs = _dequantize64(*a, 1, truncate)
+        d.copy_(lhs @ _dequantize64(*b, BLOCK, truncate).T)
 
     def m_grouped_fp8_gemm_nt_contiguous(a, b, d, layout):
         calls.append(("m_grouped_fp8_gemm_nt_contiguous", a, b, d, layout))
-        for row, group in enumerate(layout.tolist()):
-            lhs = dequantize_blockwise(a[0][row : row + 1], a[1][row : row + 1])
-            d[row] = (lhs @ dequantize_blockwise(b[0][group], b[1][group]).T)[0]
+        assert d.dtype == torch.bfloat16 and layout.shape == (a[0].shape[0],)
+        for start in range(0, a[0].shape[0], 128):
+            group = int(layout[start])
+            if group >= 0:
+                rows = slice(start, start + 128)
+                lhs = _dequantize64(a[0][rows], a[1][rows], 1, truncate)
+                d[rows] = lhs @ _dequantize64(b[0][group], b[1][group], BLOCK, truncate).T
 
     module.fp8_gemm_nt = fp8_gemm_nt
     module.m_grouped_fp8_gemm_nt_contiguous = m_grouped_fp8_gemm_nt_contiguous
+    module.get_mk_alignment_for_contiguous_layout = lambda: 128
     return module
 
 
-def test_deep_gemm_adapter_exact_call(monkeypatch, gen):
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_deep_gemm_adapter_writes_fp32_directly(monkeypatch, gen, out_dtype):
     calls = []
     monkeypatch.setitem(sys.modules, "deep_gemm", _stand_in_deep_gemm(calls))
     a, sa = quantize_blockwise(torch.randn(4, 256, generator=gen), 1)
     b, sb = quantize_blockwise(torch.randn(128, 256, generator=gen), BLOCK)
-    out = fp8._deep_gemm_nt(a, sa, b, sb, torch.float32)
+    out = fp8._deep_gemm_nt(a, sa, b, sb, out_dtype)
     ((name, (ca, csa), (cb, csb), d),) = calls
-    assert name == "fp8_gemm_nt"
-    assert ca is a and csa is sa and cb is b and csb is sb
-    assert d.shape == (4, 128) and d.dtype == torch.bfloat16
-    assert out.dtype == torch.float32
-    torch.testing.assert_close(out, d.float())
+    assert name == "fp8_gemm_nt" and ca is a and csa is sa and cb is b and csb is sb
+    assert d.dtype == (torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32)
+    assert out.dtype == out_dtype
+    # Rounded once, from the fp32 accumulator: no bf16 round trip for fp32/fp16 outputs.
+    exact = _dequantize64(a, sa, 1, False) @ _dequantize64(b, sb, BLOCK, False).T
+    assert torch.equal(out, exact.to(torch.float32).to(out_dtype))
 
 
-def test_deep_gemm_grouped_adapter_exact_call(monkeypatch, gen):
+@pytest.mark.parametrize("counts", [(3, 0, 5), (128, 0, 256), (130, 1, 0, 127)])
+def test_deep_gemm_grouped_adapter_pads_each_group(monkeypatch, gen, counts):
     calls = []
     monkeypatch.setitem(sys.modules, "deep_gemm", _stand_in_deep_gemm(calls))
-    a, sa = quantize_blockwise(torch.randn(6, 128, generator=gen), 1)
-    qs = [quantize_blockwise(torch.randn(128, 128, generator=gen), BLOCK) for _ in range(3)]
+    a, sa = quantize_blockwise(torch.randn(sum(counts), 128, generator=gen), 1)
+    qs = [quantize_blockwise(torch.randn(128, 128, generator=gen), BLOCK) for _ in counts]
     b, sb = torch.stack([q for q, _ in qs]), torch.stack([s for _, s in qs])
-    offsets = torch.tensor([2, 2, 6], dtype=torch.int32)
+    offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     out = fp8._deep_gemm_grouped_nt(a, sa, b, sb, offsets, torch.bfloat16)
     ((name, (ca, _), (cb, _), d, layout),) = calls
-    assert name == "m_grouped_fp8_gemm_nt_contiguous" and ca is a and cb is b
-    assert layout.dtype == torch.int32 and layout.tolist() == [0, 0, 2, 2, 2, 2]
-    assert d.shape == (6, 128) and d.dtype == torch.bfloat16
-    ref = fp8.grouped_fp8_gemm_nt(a, sa, b, sb, offsets, torch.bfloat16)
+    assert name == "m_grouped_fp8_gemm_nt_contiguous" and cb is b
+    assert layout.dtype == torch.int32 and ca.shape[0] == layout.shape[0] == d.shape[0]
+    assert layout.shape[0] % 128 == 0
+    starts = (layout[::128] >= 0).nonzero()[:, 0] * 128  # every used block holds one group
+    for s in starts.tolist():
+        block = layout[s : s + 128]
+        assert torch.all((block == block[0]) | (block == -1))
+    ref = fp8.grouped_fp8_gemm_nt(a, sa, b, sb, offsets, torch.bfloat16)  # CPU semantics
+    assert out.shape == ref.shape
     torch.testing.assert_close(out, ref)
 
 
-def test_missing_deep_gemm_names_extra_and_build(monkeypatch):
+def test_deep_gemm_grouped_adapter_fp32_runs_dense_per_group(monkeypatch, gen):
+    calls = []
+    monkeypatch.setitem(sys.modules, "deep_gemm", _stand_in_deep_gemm(calls))
+    a, sa = quantize_blockwise(torch.randn(8, 128, generator=gen), 1)
+    qs = [quantize_blockwise(torch.randn(128, 128, generator=gen), BLOCK) for _ in range(3)]
+    b, sb = torch.stack([q for q, _ in qs]), torch.stack([s for _, s in qs])
+    offsets = torch.tensor([3, 3, 8], dtype=torch.int32)
+    out = fp8._deep_gemm_grouped_nt(a, sa, b, sb, offsets, torch.float32)
+    assert [c[0] for c in calls] == ["fp8_gemm_nt"] * 3 and out.dtype == torch.float32
+    assert all(c[3].dtype == torch.float32 for c in calls)
+    ref = fp8.grouped_fp8_gemm_nt(a, sa, b, sb, offsets, torch.float32)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-5)
+
+
+def test_sm100_reads_power_of_two_scales_exactly(monkeypatch, gen):
+    calls = []
+    monkeypatch.setitem(sys.modules, "deep_gemm", _stand_in_deep_gemm(calls, truncate=True))
+    monkeypatch.setattr(fp8, "needs_ue8m0", lambda device: True)
+    x, w = torch.randn(4, 256, generator=gen) * 3, torch.randn(128, 256, generator=gen)
+    a, sa = quantize_blockwise(x, 1, ue8m0=True)
+    b, sb = quantize_blockwise(w, BLOCK, ue8m0=True)
+    out = fp8._deep_gemm_nt(a, sa, b, sb, torch.float32)
+    ref = _ref_dequantized(x, 1, True) @ _ref_dequantized(w, BLOCK, True).T
+    torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-5)
+    # amax/448 scales would be read up to 2x too small: refused on the device.
+    a, sa = quantize_blockwise(x, 1)
+    b, sb = quantize_blockwise(w, BLOCK)
+    with pytest.raises(RuntimeError, match="power-of-two scales"):
+        fp8._deep_gemm_nt(a, sa, b, sb, torch.float32)
+    assert fp8._resolve_ue8m0(None, torch.device("cpu")) is True
+    with pytest.raises(ValueError, match="ue8m0=False on cpu.*SM100"):
+        fp8._resolve_ue8m0(False, torch.device("cpu"))
+
+
+def test_missing_deep_gemm_gives_the_build_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "deep_gemm", None)
     a, sa = quantize_blockwise(torch.ones(1, 128), 1)
     b, sb = quantize_blockwise(torch.ones(128, 128), BLOCK)
-    with pytest.raises(prime_ops.BackendUnavailable, match=r"prime-ops\[deepgemm\].*install\.sh"):
+    with pytest.raises(
+        prime_ops.BackendUnavailable, match=r"git clone.*DeepGEMM.*install\.sh"
+    ) as e:
         fp8._deep_gemm_nt(a, sa, b, sb, torch.bfloat16)
+    assert "prime-ops[" not in str(e.value)  # no extra installs DeepGEMM
 
 
 # --- bad input ---------------------------------------------------------------------------------
@@ -250,6 +382,19 @@ def test_ops_reject_bad_inputs():
         fp8.fp8_blockwise_mm(x, torch.randn(100, 256))
     with pytest.raises(ValueError, match="same K"):
         fp8.fp8_blockwise_mm(x, torch.randn(128, 128))
+
+
+def test_ops_refuse_mixed_devices():
+    x, w = torch.randn(6, 128), torch.randn(3, 128, 128)
+    offsets = torch.tensor([2, 4, 6], dtype=torch.int32)
+    with pytest.raises(
+        ValueError, match="one device, got x on cpu, weight on cpu, offsets on meta"
+    ):
+        fp8.grouped_fp8_gemm(x, w, offsets.to("meta"))
+    with pytest.raises(ValueError, match="one device, got x on cpu, weight on meta"):
+        fp8.fp8_blockwise_mm(x, w[0].to("meta"))
+    with pytest.raises(ValueError, match="one device"):
+        torch.ops.prime_rl.grouped_fp8_gemm_backward(x, x, w, offsets.to("meta"))
 
 
 @pytest.mark.parametrize(
