@@ -22,14 +22,7 @@ import torch
 import torch.distributed as dist
 
 from prime_ops._compat import all_gather_single, reduce_scatter_single
-from prime_ops.groups import (
-    agree,
-    checked_mode,
-    rank_local,
-    resolve,
-    resolve_name,
-    same_on_every_rank,
-)
+from prime_ops.groups import Fingerprint, agree, checked_mode, rank_local, resolve, resolve_name
 
 __all__ = [
     "all_gather",
@@ -278,28 +271,10 @@ _reduce_scatter_sum.register_autograd(
 # --- checked mode: what each rank's call must agree on ---------------------------------------
 
 
-def _layout(x: torch.Tensor) -> tuple[tuple[int, ...], str]:
-    return tuple(x.shape), str(x.dtype)
-
-
-def _same_layout(fingerprints) -> str | None:
-    return same_on_every_rank("x's (shape, dtype) and dim", fingerprints)
-
-
-def _all_to_all_fits(fingerprints) -> str | None:
-    """Every rank's rows beyond dim 0 and dtype agree, and each rank sends each peer exactly the
-    rows that peer expects from it."""
-    problem = same_on_every_rank("x's shape beyond dim 0 and dtype", [f[2] for f in fingerprints])
-    if problem is not None:
-        return problem
-    for src, (send, _, _) in enumerate(fingerprints):
-        for dst, (_, recv, _) in enumerate(fingerprints):
-            if send[dst] != recv[src]:
-                return (
-                    f"rank {src} sends {send[dst]} rows to rank {dst} (its input_splits[{dst}]) "
-                    f"but rank {dst} expects {recv[src]} (its output_splits[{src}])"
-                )
-    return None
+def _layout(x: torch.Tensor, dim: int | None = None) -> Fingerprint:
+    """Equal-size collectives: every rank's x has the same shape and dtype (and the same dim)."""
+    shared = {"x.shape": tuple(x.shape), "x.dtype": str(x.dtype)}
+    return Fingerprint(shared if dim is None else {**shared, "dim": dim})
 
 
 # --- fronts ---------------------------------------------------------------------------------
@@ -340,9 +315,10 @@ def all_to_all_single(
 
         def describe():
             recv, send = _all_to_all_sizes(x, output_splits, input_splits, group.size())
-            return send, recv, (tuple(x.shape[1:]), str(x.dtype))
+            shared = {"x.shape[1:]": tuple(x.shape[1:]), "x.dtype": str(x.dtype)}
+            return Fingerprint(shared, tuple(send), tuple(recv))
 
-        agree(op, group, describe, _all_to_all_fits)
+        agree(op, group, describe, x.device)
     return _all_to_all_single(x, output_splits, input_splits, group.group_name)
 
 
@@ -361,7 +337,7 @@ def all_to_all_single_equal(
             _check_divisible(x, 0, group.size(), op)
             return _layout(x)
 
-        agree(op, group, describe, _same_layout)
+        agree(op, group, describe, x.device)
     return _all_to_all_single_equal(x, group.group_name)
 
 
@@ -377,12 +353,7 @@ def all_gather(
     """
     group = resolve(group, "all_gather")
     if checked_mode(checked):
-        agree(
-            "all_gather",
-            group,
-            lambda: (*_layout(x), _check_dim(x, dim, "all_gather")),
-            _same_layout,
-        )
+        agree("all_gather", group, lambda: _layout(x, _check_dim(x, dim, "all_gather")), x.device)
     return _all_gather(x, dim, group.group_name)
 
 
@@ -403,7 +374,7 @@ def reduce_scatter_sum(
         def describe():
             checked_dim = _check_dim(x, dim, op)
             _check_divisible(x, checked_dim, group.size(), op)
-            return (*_layout(x), checked_dim)
+            return _layout(x, checked_dim)
 
-        agree(op, group, describe, _same_layout)
+        agree(op, group, describe, x.device)
     return _reduce_scatter_sum(x, dim, group.group_name)

@@ -9,34 +9,36 @@ error raised on one rank before communicating leaves its peers waiting in the co
   checked mode).
 - Checked mode (``checked=True`` on a front, or ``PRIME_OPS_CHECK_COLLECTIVES=1``): the front
   first gathers a small fingerprint of every rank's call (the rank's own validation result,
-  splits, shapes, dtypes, a digest of ``cu_seqlens``, flags) with one ``all_gather_object``,
+  splits, and a digest of shapes, dtypes, ``cu_seqlens`` and flags) with one small all-gather,
   and every rank raises the same ``ValueError`` if any rank's call is invalid or the calls do
-  not fit together, before the real collective starts. It costs one small collective and a host
-  sync per call (measured in ``benchmarks/collectives_overhead.py``); it runs in eager mode and
-  is skipped while compiling.
+  not fit together, before the real collective starts. It costs that collective and a host sync
+  per call (measured in ``benchmarks/collectives_overhead.py``); it runs in eager mode and is
+  skipped while compiling.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from prime_ops._compat import resolve_process_group
+from prime_ops._compat import all_gather_single, resolve_process_group
 
 __all__ = [
     "CHECK_ENV",
+    "Fingerprint",
     "agree",
     "checked_mode",
     "peers_may_wait",
     "rank_local",
     "resolve",
     "resolve_name",
-    "same_on_every_rank",
 ]
 
 CHECK_ENV = "PRIME_OPS_CHECK_COLLECTIVES"
@@ -110,35 +112,86 @@ def rank_local(op: str, group: dist.ProcessGroup) -> Iterator[None]:
         raise
 
 
+@dataclass(frozen=True)
+class Fingerprint:
+    """What one rank's call must agree on with its peers'.
+
+    ``shared``: named values every rank must give equally (shapes, dtypes, digests, flags).
+    ``send`` / ``recv``: for an all-to-all, rows this rank sends to / expects from each rank; rank
+    ``s``'s ``send[r]`` must equal rank ``r``'s ``recv[s]``.
+    """
+
+    shared: dict[str, Any]
+    send: tuple[int, ...] = ()
+    recv: tuple[int, ...] = ()
+
+
+def _digest(shared: dict[str, Any]) -> int:
+    raw = hashlib.sha256(repr(sorted(shared.items())).encode()).digest()
+    return int.from_bytes(raw[:8], "little", signed=True)
+
+
+def _mismatch(prints: Sequence[Fingerprint]) -> str | None:
+    for field in prints[0].shared:
+        problem = _same_on_every_rank(field, [p.shared.get(field) for p in prints])
+        if problem is not None:
+            return problem
+    pairs = [(s, r) for s in range(len(prints)) for r in range(len(prints))]
+    for src, dst in pairs if all(p.send for p in prints) else ():
+        sender, receiver = prints[src], prints[dst]
+        if sender.send[dst] != receiver.recv[src]:
+            return (
+                f"rank {src} sends {sender.send[dst]} rows to rank {dst} (its "
+                f"input_splits[{dst}]) but rank {dst} expects {receiver.recv[src]} (its "
+                f"output_splits[{src}])"
+            )
+    return None
+
+
 def agree(
     op: str,
     group: dist.ProcessGroup,
-    describe: Callable[[], Any],
-    compare: Callable[[Sequence[Any]], str | None],
+    describe: Callable[[], Fingerprint],
+    device: torch.device,
 ) -> None:
-    """Checked mode: raise the same ValueError on every rank unless every call fits.
+    """Checked mode: raise the same ValueError on every rank unless every rank's call fits.
 
-    ``describe()`` runs this rank's own checks (raising ValueError) and returns its fingerprint,
-    a small picklable value; ``compare(fingerprints)`` gets every rank's, in group rank order,
-    and returns what does not fit, or None. Runs one ``all_gather_object`` on ``group``.
+    ``describe()`` runs this rank's own checks (raising ValueError) and returns its
+    :class:`Fingerprint`. One all-gather of ``2 + 2 * world`` int64 values on ``device`` (the
+    collective's own device, as NCCL needs) carries an error flag, a digest of ``shared`` and the
+    splits; only when that shows a problem does a second exchange (``all_gather_object``) bring
+    every rank's details, so that all ranks raise the same message.
     """
+    world = group.size()
     try:
-        error, fingerprint = None, describe()
+        error, mine = None, describe()
     except ValueError as exc:
-        error, fingerprint = str(exc), None
-    table: list[Any] = [None] * group.size()
-    dist.all_gather_object(table, (error, fingerprint), group=group)
+        error, mine = str(exc), None
+    row = [1, 0, *[0] * 2 * world]
+    if mine is not None:
+        splits = [*mine.send, *mine.recv] or [0] * 2 * world
+        row = [0, _digest(mine.shared), *splits]
+    table = torch.empty(world * len(row), dtype=torch.int64, device=device)
+    all_gather_single(table, torch.tensor(row, device=device), group=group)
+    rows = table.view(world, len(row)).tolist()  # the same on every rank: so is the branch
+    digests_agree = all(r[1] == rows[0][1] for r in rows)
+    splits_fit = all(
+        rows[s][2 + d] == rows[d][2 + world + s] for s in range(world) for d in range(world)
+    )
+    if not any(r[0] for r in rows) and digests_agree and splits_fit:
+        return
+    details: list[Any] = [None] * world
+    dist.all_gather_object(details, (error, mine), group=group)
     suffix = f"Every rank raises this error ({CHECK_ENV} / checked=True); nothing was sent."
-    for rank, (error, _) in enumerate(table):
+    for rank, (error, _) in enumerate(details):
         if error is not None:
             raise ValueError(f"{op}: rank {rank} of the group rejected its call: {error}. {suffix}")
-    problem = compare([fingerprint for _, fingerprint in table])
-    if problem is not None:
-        raise ValueError(f"{op}: the ranks' calls do not fit together: {problem}. {suffix}")
+    problem = _mismatch([fingerprint for _, fingerprint in details]) or "fingerprints differ"
+    raise ValueError(f"{op}: the ranks' calls do not fit together: {problem}. {suffix}")
 
 
-def same_on_every_rank(what: str, values: Sequence[Any]) -> str | None:
-    """A ``compare`` helper: None if every rank gave the same value, else the differences."""
+def _same_on_every_rank(what: str, values: Sequence[Any]) -> str | None:
+    """None if every rank gave the same value, else the values by rank."""
     if all(value == values[0] for value in values):
         return None
     listed = ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(values))

@@ -28,14 +28,7 @@ from torch import Tensor
 from prime_ops.attn.sdpa import lse_dtype
 from prime_ops.attn.seqlens import can_read, shard_cu_seqlens, spans
 from prime_ops.attn.varlen import check_arguments, get_backend
-from prime_ops.groups import (
-    agree,
-    checked_mode,
-    rank_local,
-    resolve,
-    resolve_name,
-    same_on_every_rank,
-)
+from prime_ops.groups import Fingerprint, agree, checked_mode, rank_local, resolve, resolve_name
 
 __all__ = ["ring_attention"]
 
@@ -276,29 +269,20 @@ _ring_attention.register_autograd(_ring_backward, setup_context=_setup_context)
 
 def _fingerprint(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, softcap, backend):
     """What every rank's call must agree on; shapes are per shard, so they must match too."""
-    digest = hashlib.sha256(str(cu_seqlens.tolist()).encode()).hexdigest()[:16]
-    shapes = tuple(tuple(t.shape) for t in (q, k, v))
-    return shapes, str(q.dtype), digest, max_seqlen, causal, softmax_scale, softcap, backend
-
-
-_FIELDS = (
-    "q/k/v shard shapes",
-    "dtype",
-    "cu_seqlens (sha256 prefix)",
-    "max_seqlen",
-    "causal",
-    "softmax_scale",
-    "softcap",
-    "backend",
-)
-
-
-def _ring_fits(fingerprints) -> str | None:
-    for i, field in enumerate(_FIELDS):
-        problem = same_on_every_rank(field, [f[i] for f in fingerprints])
-        if problem is not None:
-            return problem
-    return None
+    return Fingerprint(
+        {
+            "q/k/v shard shapes": tuple(tuple(t.shape) for t in (q, k, v)),
+            "dtype": str(q.dtype),
+            "cu_seqlens (sha256 prefix)": hashlib.sha256(
+                str(cu_seqlens.tolist()).encode()
+            ).hexdigest()[:16],
+            "max_seqlen": max_seqlen,
+            "causal": causal,
+            "softmax_scale": softmax_scale,
+            "softcap": softcap,
+            "backend": backend,
+        }
+    )
 
 
 def ring_attention(
@@ -349,7 +333,7 @@ def ring_attention(
             check_locally()
             return _fingerprint(*args, causal, *flags)
 
-        agree(op, group, describe, _ring_fits)
+        agree(op, group, describe, q.device)
     elif check_cu_seqlens and can_read(cu_seqlens):
         with rank_local(op, group):
             check_locally()
