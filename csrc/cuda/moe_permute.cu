@@ -148,7 +148,8 @@ std::tuple<Tensor, Tensor, Tensor> moe_permute(Tensor x, Tensor topk_idx, int64_
   const int64_t row_bytes = dim * static_cast<int64_t>(x.element_size());
   if (tokens * top_k > 0 && row_bytes > 0) {
     const int threads = 128;
-    if (row_bytes % 4 == 0) {
+    const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 4 == 0; };
+    if (row_bytes % 4 == 0 && aligned(x.const_data_ptr()) && aligned(sorted.const_data_ptr())) {
       copy_rows_kernel<<<tokens * top_k, threads, 0, stream>>>(
           static_cast<const uint32_t*>(x.const_data_ptr()), row_map.const_data_ptr<int64_t>(),
           top_k, row_bytes / 4, static_cast<uint32_t*>(sorted.mutable_data_ptr()));
