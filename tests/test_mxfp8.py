@@ -276,11 +276,21 @@ def _ac_body(rank, world):
             torch.testing.assert_close(ours.grad, theirs.grad, atol=0, rtol=0)
 
 
+def _opcheck_body(rank, world):
+    send = torch.tensor([1, 0]) if rank == 0 else torch.tensor([3, 2])
+    recv = torch.tensor([1, 3]) if rank == 0 else torch.tensor([0, 2])
+    x = torch.randn(int(send.sum()), 32).requires_grad_()
+    op = torch.ops.prime_rl_collectives.mxfp8_all_to_all_single.default
+    # quantize_grad=True: the backward is this op again (False calls the checked plain op).
+    torch.library.opcheck(op, (x, recv, send, dist.group.WORLD.group_name, True, "rceil", "torch"))
+
+
 def _body(rank, world):
     _transport_body(rank, world)
     if world == 2:
         _ep_body(rank, world)
         _ac_body(rank, world)
+        _opcheck_body(rank, world)
 
 
 @pytest.mark.slow
