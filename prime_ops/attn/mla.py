@@ -32,7 +32,14 @@ from torch import Tensor
 
 from prime_ops.backends import import_backend
 
-__all__ = ["BACKENDS", "SparseMLABackend", "reference_backward", "reference_forward", "sparse_mla"]
+__all__ = [
+    "BACKENDS",
+    "FLASHMLA_BUILD",
+    "SparseMLABackend",
+    "reference_backward",
+    "reference_forward",
+    "sparse_mla",
+]
 
 _NEG_INF = float("-inf")
 # Elements of the gathered KV block the reference materialises at once (64 MiB in fp32).
@@ -136,15 +143,16 @@ def reference_backward(
 # --- FlashMLA forward ---------------------------------------------------------------------------
 
 
-def _flash_mla():
-    return import_backend("flash_mla", extra=None, build=FLASHMLA_BUILD)
-
-
 FLASHMLA_BUILD = (
     "FlashMLA is built from source on a Hopper/Blackwell machine: git clone "
     "https://github.com/deepseek-ai/FlashMLA && cd FlashMLA && git submodule update --init "
     "--recursive && pip install -v . --no-build-isolation"
 )
+
+
+def _flash_mla():
+    # PyPI's flash-mla (1.0.0.dev0) predates the sparse kernels: no extra to name.
+    return import_backend("flash_mla", extra=None, build=FLASHMLA_BUILD)
 
 
 def flashmla_forward(
