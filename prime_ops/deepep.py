@@ -32,6 +32,7 @@ import torch
 
 from prime_ops.backends import import_backend
 from prime_ops.deepep_reference import ReferenceBuffer
+from prime_ops.devices import check_same_device
 
 __all__ = ["Dispatched", "Dispatcher", "live_handles"]
 
@@ -277,13 +278,6 @@ def _check_token(token: torch.Tensor) -> None:
         )
 
 
-def _check_same_device(**tensors: torch.Tensor) -> None:
-    devices = {name: t.device for name, t in tensors.items()}
-    if len(set(devices.values())) > 1:
-        listed = ", ".join(f"{name} on {device}" for name, device in devices.items())
-        raise ValueError(f"deepep ops need all tensors on one device, got {listed}")
-
-
 def _check_rows(name: str, t: torch.Tensor, rows: int | torch.SymInt, cols: int | None) -> None:
     if t.dim() != 2 or t.shape[0] != rows or (cols is not None and t.shape[1] != cols):
         want = f"[{rows}, {cols if cols is not None else '*'}]"
@@ -303,7 +297,7 @@ def _check_x(name: str, x: torch.Tensor) -> None:
 
 
 def _check_dispatch(x, topk_idx, topk_weights, num_experts, num_local_experts) -> None:
-    _check_same_device(x=x, topk_idx=topk_idx, topk_weights=topk_weights)
+    check_same_device("deepep::dispatch", x=x, topk_idx=topk_idx, topk_weights=topk_weights)
     _check_x("x", x)
     if topk_idx.dtype != torch.int64 or topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
         raise ValueError(
@@ -390,7 +384,8 @@ def _(x, topk_idx, topk_weights, dispatcher, num_experts, num_local_experts, exp
 
 def _check_dispatch_backward(grad_recv_x, grad_recv_topk_weights, recv_topk_idx, handle):
     _check_token(handle)
-    _check_same_device(
+    check_same_device(
+        "deepep::dispatch_backward",
         grad_recv_x=grad_recv_x,
         grad_recv_topk_weights=grad_recv_topk_weights,
         recv_topk_idx=recv_topk_idx,

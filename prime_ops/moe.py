@@ -14,10 +14,19 @@ from __future__ import annotations
 
 import torch
 
+from prime_ops.devices import check_same_device
+
 __all__ = ["record_moe_routing_statistics"]
 
 
 def _check(tokens_per_expert, routing_confidence_sum, token_counts, confidence) -> None:
+    check_same_device(
+        "prime_rl::record_moe_routing_statistics",
+        tokens_per_expert=tokens_per_expert,
+        routing_confidence_sum=routing_confidence_sum,
+        token_counts=token_counts,
+        confidence=confidence,
+    )
     if token_counts.shape != tokens_per_expert.shape:
         raise ValueError(
             f"token_counts has shape {tuple(token_counts.shape)} but tokens_per_expert has "

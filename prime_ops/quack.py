@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from prime_ops._compat import registered_op_names
 from prime_ops.backends import import_backend
+from prime_ops.devices import check_same_device
 from prime_ops.grouped import check_offsets_meta, check_offsets_values
 
 __all__ = [
@@ -86,6 +87,7 @@ def _cu_seqlens(offsets: torch.Tensor) -> torch.Tensor:
 
 
 def _check_linear(x, weight, bias) -> None:
+    check_same_device("quack::prime_linear", x=x, weight=weight, bias=bias)
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(
             f"prime_linear needs x [M, K] and weight [N, K] with the same K, got "
@@ -98,6 +100,7 @@ def _check_linear(x, weight, bias) -> None:
 
 
 def _check_grouped(x, weight, offsets) -> None:
+    check_same_device("quack::prime_grouped_linear", x=x, weight=weight, offsets=offsets)
     if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[2]:
         raise ValueError(
             f"prime_grouped_linear needs x [M, K] and weight [E, N, K] with the same K, got "
@@ -181,6 +184,7 @@ def _quack_linear_backward(grad, x, weight):
 
 @_linear_backward.register_fake
 def _(grad, x, weight):
+    check_same_device("quack::prime_linear_backward", grad=grad, x=x, weight=weight)
     return torch.empty_like(x), torch.empty_like(weight)
 
 
@@ -255,6 +259,9 @@ def _quack_grouped_backward(grad, x, weight, offsets):
 
 @_grouped_backward.register_fake
 def _(grad, x, weight, offsets):
+    check_same_device(
+        "quack::prime_grouped_linear_backward", grad=grad, x=x, weight=weight, offsets=offsets
+    )
     return torch.empty_like(x), torch.empty_like(weight)
 
 

@@ -74,6 +74,11 @@ def test_record_rejects_mismatched_shapes():
         )
     with pytest.raises(ValueError, match=r"confidence has shape \(2,\) .* 0-d sum"):
         record_moe_routing_statistics(torch.zeros(4), torch.zeros(()), torch.ones(4), torch.ones(2))
+    # A meta tensor among CPU ones would route the call to the fake and skip the update.
+    with pytest.raises(ValueError, match="one device, got .*token_counts on meta"):
+        record_moe_routing_statistics(
+            torch.zeros(4), torch.zeros(()), torch.ones(4, device="meta"), torch.ones(())
+        )
 
 
 def test_plain_checkpoint_double_counts_which_is_what_the_op_prevents():

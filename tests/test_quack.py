@@ -265,6 +265,25 @@ def test_bad_inputs():
         quack.grouped_linear(x, ew, torch.tensor([1, 3]))
 
 
+def test_mixed_devices_are_refused():
+    # A meta tensor among CPU tensors routes the call to the fake, which would hand back
+    # uninitialised memory as the result.
+    x, w, ew = torch.randn(3, 6), torch.randn(4, 6), torch.randn(2, 4, 6)
+    offsets = torch.tensor([1, 3], dtype=torch.int32)
+    with pytest.raises(
+        ValueError, match="one device, got x on cpu, weight on cpu, offsets on meta"
+    ):
+        quack.grouped_linear(x, ew, offsets.to("meta"))
+    with pytest.raises(ValueError, match="one device, got x on cpu, weight on meta"):
+        quack.linear(x, w.to("meta"))
+    with pytest.raises(ValueError, match="bias on meta"):
+        quack.linear(x, w, torch.zeros(4, device="meta"))
+    with pytest.raises(ValueError, match="one device"):
+        torch.ops.quack.prime_linear_backward(torch.randn(3, 4, device="meta"), x, w)
+    with pytest.raises(ValueError, match="one device"):
+        torch.ops.quack.prime_grouped_linear_backward(x, x, ew, offsets.to("meta"))
+
+
 # --- prime_ac ----------------------------------------------------------------------------------
 
 
