@@ -33,10 +33,11 @@ def test_deep_gemm_matches_cpu_reference():
     w = torch.randn(384, 512, generator=gen).bfloat16().requires_grad_()
     xc, wc = (t.detach().cuda().requires_grad_() for t in (x, w))
     g = torch.randn(256, 384, generator=gen).bfloat16()
-    fp8.fp8_blockwise_mm(x, w).backward(g)
+    ue8m0 = fp8.needs_ue8m0(torch.device("cuda"))  # SM100 semantics on CPU when the GPU is SM100
+    fp8.fp8_blockwise_mm(x, w, ue8m0=ue8m0).backward(g)
     out = fp8.fp8_blockwise_mm(xc, wc)
     out.backward(g.cuda())
-    _close(out, fp8.fp8_blockwise_mm(x, w).detach(), 0.02)
+    _close(out, fp8.fp8_blockwise_mm(x, w, ue8m0=ue8m0).detach(), 0.02)
     _close(xc.grad, x.grad, 0.02)
     _close(wc.grad, w.grad, 0.02)
 
@@ -44,13 +45,13 @@ def test_deep_gemm_matches_cpu_reference():
 @_needs("deep_gemm")
 def test_deep_gemm_grouped_matches_cpu_reference():
     gen = torch.Generator().manual_seed(0)
-    counts = (128, 0, 256)  # DeepGEMM's contiguous layout: groups aligned to 128 rows
+    counts = (3, 0, 261)  # any lengths: the adapter pads each group to DeepGEMM's 128 rows
     x = torch.randn(sum(counts), 256, generator=gen).bfloat16().requires_grad_()
     w = torch.randn(3, 128, 256, generator=gen).bfloat16().requires_grad_()
     offsets = torch.tensor(counts).cumsum(0).int()
     xc, wc = (t.detach().cuda().requires_grad_() for t in (x, w))
     g = torch.randn(sum(counts), 128, generator=gen).bfloat16()
-    ref = fp8.grouped_fp8_gemm(x, w, offsets)
+    ref = fp8.grouped_fp8_gemm(x, w, offsets, ue8m0=fp8.needs_ue8m0(torch.device("cuda")))
     ref.backward(g)
     out = fp8.grouped_fp8_gemm(xc, wc, offsets.cuda())
     out.backward(g.cuda())
@@ -101,7 +102,16 @@ def _deepep_rank(rank, world, init_file):
         torch.testing.assert_close(out.float(), x.detach().float() * ranks[:, None].float())
         out.float().sum().backward()
         torch.testing.assert_close(x.grad.float(), ranks[:, None].float().expand_as(x))
-        del d, out
+        # The reference backend over nccl gives the same results (DeepEP's own semantics).
+        reference = deepep.Dispatcher(
+            group, num_experts=experts, hidden=hidden, backend="reference"
+        )
+        r = reference.dispatch(x.detach(), idx, weights)
+        assert torch.equal(r.x, d.x) and torch.equal(r.topk_idx, d.topk_idx)
+        assert torch.equal(r.topk_weights, d.topk_weights)
+        assert torch.equal(r.tokens_per_expert, d.tokens_per_expert)
+        assert torch.equal(reference.combine(r.x, r), dispatcher.combine(d.x, d))
+        del d, out, r
         assert deepep.live_handles() == before
     finally:
         torch.distributed.destroy_process_group()
