@@ -147,7 +147,12 @@ def gpu_backends(iters: int) -> dict:
 
         t_op = _time(through_op, iters, torch.cuda.synchronize)
         t_own = _time(own_function, iters, torch.cuda.synchronize)
-        results[name] = {"op_ms": t_op * 1e3, "own_ms": t_own * 1e3, "op_over_own": t_op / t_own}
+        results[name] = {
+            "op": f"prime_rl_attn::{BACKENDS[name].op}_varlen",
+            "op_ms": t_op * 1e3,
+            "own_ms": t_own * 1e3,
+            "op_over_own": t_op / t_own,
+        }
     return {
         "shape": {"lengths": lengths, "heads": heads, "head_dim": head_dim, "dtype": "bfloat16"},
         "fwd_bwd": results,
@@ -179,7 +184,8 @@ def main() -> None:
     print(f"  op / direct SDPA = {cpu['op_over_direct_sdpa']:.3f}   (reference math + lse)")
     for name, row in report.get("gpu", {}).get("fwd_bwd", {}).items():
         print(
-            f"gpu {name} fwd+bwd: op {row['op_ms']:.3f} ms, own {row['own_ms']:.3f} ms, "
+            f"gpu {name} ({row['op']}) fwd+bwd: op {row['op_ms']:.3f} ms, own "
+            f"{row['own_ms']:.3f} ms, "
             f"ratio {row['op_over_own']:.3f}"
         )
 

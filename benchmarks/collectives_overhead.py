@@ -2,12 +2,13 @@
 
 Runs 2 gloo ranks on this machine. For each op and tensor size it times the custom-op front
 (``prime_ops.collectives``) against the torch.distributed call a trainer would write by hand
-(allocate the output, call the collective). Each round times a block of calls of each side,
-back to back and in alternating order; the ratio printed (custom / direct; 1.00 means no
-overhead) is the median over rounds of the paired ratios, which keeps load from other processes
-on a shared machine out of it; "best" is the ratio of each side's fastest round, since noise only
-adds time. Inputs do not require grad, so both sides do the same work; the
-ratio is the cost of the op boundary itself.
+(allocate the output, call the collective), and the front in checked mode (``checked=True``: a
+fingerprint exchange before the collective, see ``prime_ops.groups``). Each round times a block
+of calls of each side, back to back, in rotating order; a ratio printed (custom / direct, checked
+/ direct; 1.00 means no overhead) is the median over rounds of the paired ratios, which keeps
+load from other processes on a shared machine out of it; "best" is the ratio of each side's
+fastest round, since noise only adds time. Inputs do not require grad, so every side does the
+same work; the ratios are the cost of the op boundary and of the check.
 
     python benchmarks/collectives_overhead.py            # table
     python benchmarks/collectives_overhead.py --json     # one JSON document on stdout
@@ -58,10 +59,22 @@ def _cases(numel: int, world: int):
         return out
 
     return [
-        ("all_to_all_single", lambda: C.all_to_all_single(x, rows, rows), a2a_direct),
-        ("all_to_all_single_equal", lambda: C.all_to_all_single_equal(x), a2a_equal_direct),
-        ("all_gather", lambda: C.all_gather(x), gather_direct),
-        ("reduce_scatter_sum", lambda: C.reduce_scatter_sum(x), scatter_direct),
+        (
+            "all_to_all_single",
+            lambda checked=False: C.all_to_all_single(x, rows, rows, checked=checked),
+            a2a_direct,
+        ),
+        (
+            "all_to_all_single_equal",
+            lambda checked=False: C.all_to_all_single_equal(x, checked=checked),
+            a2a_equal_direct,
+        ),
+        ("all_gather", lambda checked=False: C.all_gather(x, checked=checked), gather_direct),
+        (
+            "reduce_scatter_sum",
+            lambda checked=False: C.reduce_scatter_sum(x, checked=checked),
+            scatter_direct,
+        ),
     ]
 
 
@@ -80,30 +93,40 @@ def _rank_main(rank: int, init_file: str, rounds: int, results) -> None:
         rows = []
         for label, nbytes in SIZES.items():
             iters = 20 if nbytes < (1 << 20) else 4
-            for name, custom, direct in _cases(nbytes // 4, WORLD):
-                for fn in (custom, direct):  # warm-up: first-call registration and allocator
+            for name, front, direct in _cases(nbytes // 4, WORLD):
+                sides = {"direct": direct, "custom": front, "checked": lambda f=front: f(True)}
+                for fn in sides.values():  # warm-up: first-call registration and allocator
                     _per_call(fn, 3)
-                direct_s, custom_s = [], []
+                times = {side: [] for side in sides}
+                order = list(sides)
                 for i in range(rounds):
-                    if i % 2:
-                        custom_s.append(_per_call(custom, iters))
-                        direct_s.append(_per_call(direct, iters))
-                    else:
-                        direct_s.append(_per_call(direct, iters))
-                        custom_s.append(_per_call(custom, iters))
-                ratios = [c / d for c, d in zip(custom_s, direct_s, strict=True)]
+                    for side in order[i % 3 :] + order[: i % 3]:
+                        times[side].append(_per_call(sides[side], iters))
+
+                def ratio(side, times=times):
+                    pairs = zip(times[side], times["direct"], strict=True)
+                    return statistics.median(c / d for c, d in pairs)
+
                 rows.append(
                     {
                         "op": name,
                         "size": label,
-                        "direct_us": statistics.median(direct_s) * 1e6,
-                        "custom_us": statistics.median(custom_s) * 1e6,
+                        "direct_us": statistics.median(times["direct"]) * 1e6,
+                        "custom_us": statistics.median(times["custom"]) * 1e6,
+                        "checked_us": statistics.median(times["checked"]) * 1e6,
                         "overhead_us": statistics.median(
-                            (c - d) * 1e6 for c, d in zip(custom_s, direct_s, strict=True)
+                            (c - d) * 1e6
+                            for c, d in zip(times["custom"], times["direct"], strict=True)
                         ),
-                        "ratio": statistics.median(ratios),
+                        "check_us": statistics.median(
+                            (c - d) * 1e6
+                            for c, d in zip(times["checked"], times["custom"], strict=True)
+                        ),
+                        "ratio": ratio("custom"),
+                        "checked_ratio": ratio("checked"),
                         # noise only adds time: the fastest rounds bound each side's own cost
-                        "best_ratio": min(custom_s) / min(direct_s),
+                        "best_ratio": min(times["custom"]) / min(times["direct"]),
+                        "best_checked_ratio": min(times["checked"]) / min(times["direct"]),
                     }
                 )
         if rank == 0:
@@ -138,16 +161,18 @@ def main() -> None:
         print(json.dumps({"world_size": WORLD, "backend": "gloo", "results": rows}, indent=2))
         return
     print(
-        f"prime_rl_collectives eager overhead, {WORLD} gloo ranks (custom op / torch.distributed)"
+        f"prime_rl_collectives eager overhead, {WORLD} gloo ranks (custom op / torch.distributed; "
+        "checked: checked=True / torch.distributed)"
     )
     print(
-        f"{'op':<26}{'size':>8}{'direct us':>12}{'custom us':>12}{'extra us':>10}{'ratio':>8}"
-        f"{'best':>8}"
+        f"{'op':<26}{'size':>8}{'direct us':>11}{'custom us':>11}{'checked us':>12}"
+        f"{'ratio':>7}{'best':>7}{'checked':>9}{'best':>7}"
     )
     for r in rows:
         print(
-            f"{r['op']:<26}{r['size']:>8}{r['direct_us']:>12.1f}{r['custom_us']:>12.1f}"
-            f"{r['overhead_us']:>10.1f}{r['ratio']:>7.2f}x{r['best_ratio']:>7.2f}x"
+            f"{r['op']:<26}{r['size']:>8}{r['direct_us']:>11.1f}{r['custom_us']:>11.1f}"
+            f"{r['checked_us']:>12.1f}{r['ratio']:>6.2f}x{r['best_ratio']:>6.2f}x"
+            f"{r['checked_ratio']:>8.2f}x{r['best_checked_ratio']:>6.2f}x"
         )
 
 

@@ -30,7 +30,7 @@ from prime_ops.attn.seqlens import can_read, shard_cu_seqlens, spans
 from prime_ops.attn.varlen import check_arguments, get_backend
 from prime_ops.groups import Fingerprint, agree, checked_mode, rank_local, resolve, resolve_name
 
-__all__ = ["ring_attention"]
+__all__ = ["merge_partial", "ring_attention"]
 
 _NO_WINDOW = (-1, -1)
 _KV_TAG, _GRAD_TAG = 0, 1

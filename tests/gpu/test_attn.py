@@ -45,6 +45,10 @@ CASES = {
     "window": dict(lengths=[400, 200], h=4, hkv=1, d=64, causal=True, window=(64, 0)),
     "softcap": dict(lengths=[333, 64], h=4, hkv=2, d=128, causal=True, softcap=30.0),
     "cross_no_key_rows": dict(lengths=[128, 64], lengths_k=[64, 64], h=4, hkv=2, d=64, causal=True),
+    # FA2's single-query GQA path reshapes q by batch size; an empty sequence used to break it.
+    "single_query_gqa_empty": dict(
+        lengths=[1, 0, 1, 1], lengths_k=[64, 32, 16, 8], h=8, hkv=2, d=64, causal=True
+    ),
 }
 
 
@@ -95,6 +99,14 @@ def test_backend_matches_sdpa_reference(backend, case):
     torch.testing.assert_close(lse[finite], ref_lse[finite], atol=2e-2, rtol=1e-3)
     for got, ref in zip(grads, ref_grads, strict=True):
         _close(got, ref, rel=5e-2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batch_without_keys_gives_minus_inf_lse(backend):
+    """FA3 skips its kernel when total_k == 0 and writes lse +inf; the contract says -inf."""
+    q, k, v, cu_q, cu_k, max_q, _ = _inputs([5, 3], 4, 2, 64, lengths_k=[0, 0])
+    out, lse = varlen_attention(q, k, v, cu_q, cu_k, max_q, 0, backend=backend)
+    assert lse.isneginf().all() and (out == 0).all()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
