@@ -268,8 +268,9 @@ def _deep_gemm_grouped_nt(a, a_scale, b, b_scale, offsets, out_dtype):
     dest, group_of_row, padded_rows = _padded_layout(offsets, a.shape[0], align)
     layout = torch.full((padded_rows,), -1, dtype=torch.int32, device=a.device)
     layout[dest] = group_of_row
-    a_pad = a.new_zeros(padded_rows, a.shape[1])
-    a_pad[dest] = a
+    a_pad = torch.zeros(padded_rows, a.shape[1], dtype=torch.uint8, device=a.device)
+    a_pad[dest] = a.view(torch.uint8)  # bytes: scatter kernels need not support float8
+    a_pad = a_pad.view(a.dtype)
     a_scale_pad = a_scale.new_ones(padded_rows, a_scale.shape[1])
     a_scale_pad[dest] = a_scale
     d = torch.empty(padded_rows, b.shape[1], dtype=torch.bfloat16, device=a.device)
