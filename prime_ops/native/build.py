@@ -39,12 +39,13 @@ _NVCC_FLAGS = ["-O2", "-std=c++17", "--expt-relaxed-constexpr", _TARGET]
 
 
 def csrc_dir() -> Path:
-    """The kernel sources: ``$PRIME_OPS_CSRC``, else ``csrc/`` of the source checkout."""
-    path = Path(os.environ.get("PRIME_OPS_CSRC", Path(__file__).resolve().parents[2] / "csrc"))
+    """The kernel sources: ``$PRIME_OPS_CSRC``, else ``prime_ops/_csrc`` (a link to the
+    checkout's ``csrc/``, package data in a wheel)."""
+    path = Path(os.environ.get("PRIME_OPS_CSRC", Path(__file__).resolve().parents[1] / "_csrc"))
     if not (path / "common.h").is_file():
         raise FileNotFoundError(
-            f"the native kernel sources are not at {path}; build from a source checkout of "
-            "prime-ops or point PRIME_OPS_CSRC at its csrc/ directory"
+            f"the native kernel sources are not at {path}; reinstall prime-ops or point "
+            "PRIME_OPS_CSRC at the csrc/ directory of a source checkout"
         )
     return path
 
