@@ -30,10 +30,61 @@ def _figures(report):
     return report.held_bytes, report.held_bytes_no_ac, report.replayed_flops, report.forward_flops
 
 
+class Expert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+
+class DecoderLayer(nn.Module):
+    """HF layout: attention and an MoE with an ``experts`` ModuleList inside the layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.input_layernorm, self.post_attention_layernorm = nn.LayerNorm(8), nn.LayerNorm(8)
+        self.q_proj, self.o_proj, self.gate = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+        self.experts = nn.ModuleList(Expert() for _ in range(3))
+
+    def forward(self, x):
+        h = self.input_layernorm(x)
+        q = self.q_proj(h)
+        attn = torch.softmax(q @ h.transpose(-1, -2), dim=-1) @ h
+        x = x + self.o_proj(attn)
+        h = self.post_attention_layernorm(x)
+        weights, chosen = torch.topk(torch.softmax(self.gate(h), dim=-1), 2, dim=-1)
+        out = torch.zeros_like(h)
+        for i, expert in enumerate(self.experts):
+            w = (weights * (chosen == i)).sum(-1, keepdim=True)
+            out = out + w * expert.down(torch.relu(expert.up(h)))
+        return x + out
+
+
+class HFStyle(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(32, 8)
+        self.model.layers = nn.ModuleList(DecoderLayer() for _ in range(2))
+        self.lm_head = nn.Linear(8, 32)
+
+    def forward(self, ids):
+        x = self.model.embed_tokens(ids)
+        for layer in self.model.layers:
+            x = layer(x)
+        return self.lm_head(x)
+
+    def loss(self, ids):
+        return nn.functional.cross_entropy(self(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+
+
+def _layers(model: nn.Module) -> nn.ModuleList:
+    return model.model.layers if isinstance(model, HFStyle) else model.layers
+
+
 def _fully_shard(model: nn.Module) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    for layer in model.layers:
+    for layer in _layers(model):
         fully_shard(layer)
     fully_shard(model)
 
@@ -43,16 +94,21 @@ def _fail(model):
 
 
 def _body(rank: int, world_size: int) -> None:
-    tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    for build, vocab in ((lambda: build_model("moe", n_layers=2), 256), (HFStyle, 32)):
+        torch.manual_seed(0)
+        _check_both_orders(
+            build(), torch.randint(0, vocab, (2, 17), generator=torch.Generator().manual_seed(0))
+        )
 
+
+def _check_both_orders(base: nn.Module, tokens: torch.Tensor) -> None:
     def loss(m):
         return m.loss(tokens)
 
-    torch.manual_seed(0)
-    base = build_model("moe", n_layers=2)
     single = copy.deepcopy(base)
-    prime_ac.checkpoint_blocks(single, mode="selective")
+    names = prime_ac.checkpoint_blocks(single, mode="selective")
     expected = _figures(prime_ac.audit(single, loss))
+    assert 0 < expected[0] < expected[1]
 
     for order in ("ac-then-fsdp", "fsdp-then-ac"):
         model = copy.deepcopy(base)
@@ -62,8 +118,9 @@ def _body(rank: int, world_size: int) -> None:
         else:
             _fully_shard(model)
             prime_ac.checkpoint_blocks(model, mode="selective")
-        classes = [type(layer) for layer in model.layers]
-        assert _figures(prime_ac.audit(model, loss)) == expected, (order, rank)
+        layers = _layers(model)
+        classes = [type(layer) for layer in layers]
+        assert _figures(prime_ac.audit(model, loss)) == expected, order
 
         before = _state(model)
         with pytest.raises(RuntimeError, match="profile failed"):
@@ -75,15 +132,15 @@ def _body(rank: int, world_size: int) -> None:
         prime_ac.checkpoint_blocks(
             model, mode="selective", targets="auto", budget=0.5, profile=loss
         )
-        assert [type(layer) for layer in model.layers] == classes, order
-        assert all(checkpoint_state(layer).plan is not None for layer in model.layers)
+        assert [type(layer) for layer in layers] == classes, order
+        assert all(checkpoint_state(layer).plan is not None for layer in layers)
         assert prime_ac.audit(model, loss).mode == "auto"
 
         # fewer blocks after fully_shard: the other block keeps its class and runs plainly
-        assert prime_ac.checkpoint_blocks(model, mode="full", freq=2) == ["layers.0"]
-        assert [n for n, _ in wrapped_blocks(model)] == ["layers.0"]
-        assert checkpoint_state(model.layers[0]).policy.mode == "full"
-        model(tokens[:, :-1]).sum().backward()  # trains
+        assert prime_ac.checkpoint_blocks(model, mode="full", freq=2) == names[:1]
+        assert [n for n, _ in wrapped_blocks(model)] == names[:1]
+        assert checkpoint_state(layers[0]).policy.mode == "full"
+        loss(model).backward()  # trains
 
 
 @pytest.mark.slow
