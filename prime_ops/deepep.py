@@ -142,11 +142,16 @@ class Dispatcher:
         self.hidden = hidden
         self.expert_alignment = expert_alignment
         self.backend = backend
+        # DeepEP's kernels take top-k indices as its build's ``topk_idx_t`` (int64 unless built
+        # with EP_NUM_TOPK_IDX_BITS=32); the ops take and return int64 whatever the build.
+        self.topk_idx_dtype = torch.int64
         if backend == "reference":
             self.buffer = ReferenceBuffer(group)
         else:
+            deep_ep = import_backend("deep_ep", extra=None, build=BUILD)
+            self.topk_idx_dtype = getattr(deep_ep, "topk_idx_t", torch.int64)
             self.buffer = _deep_ep_buffer(
-                group, hidden, num_nvl_bytes, num_rdma_bytes, buffer_kwargs
+                deep_ep, group, hidden, num_nvl_bytes, num_rdma_bytes, buffer_kwargs
             )
         self.key = next(_keys)
         self._handles: dict[int, _Entry] = {}
@@ -243,8 +248,7 @@ class Dispatched(NamedTuple):
     """Tokens this rank sent: the row count combine returns."""
 
 
-def _deep_ep_buffer(group, hidden, num_nvl_bytes, num_rdma_bytes, buffer_kwargs):
-    deep_ep = import_backend("deep_ep", extra=None, build=BUILD)
+def _deep_ep_buffer(deep_ep, group, hidden, num_nvl_bytes, num_rdma_bytes, buffer_kwargs):
     ranks = group.size()
     hidden_bytes = hidden * torch.bfloat16.itemsize
     configs = (deep_ep.Buffer.get_dispatch_config(ranks), deep_ep.Buffer.get_combine_config(ranks))
@@ -350,6 +354,7 @@ def _dispatch(
             f"got {topk_idx[bad][:8].tolist()}"
         )
     buffer = owner.buffer
+    topk_idx = topk_idx.to(owner.topk_idx_dtype)
     per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(
         topk_idx, num_experts
     )
@@ -365,7 +370,7 @@ def _dispatch(
     )
     handle = owner._own(layout, x.shape[0], recv_x.shape[0], counts)
     tokens_per_expert = torch.tensor(counts, dtype=torch.int64)
-    return recv_x, recv_idx, recv_weights, tokens_per_expert, handle
+    return recv_x, recv_idx.to(torch.int64), recv_weights, tokens_per_expert, handle
 
 
 @_dispatch.register_fake

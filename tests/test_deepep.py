@@ -153,6 +153,16 @@ def test_dispatch_and_combine_make_the_exact_backend_calls(backend):
     torch.testing.assert_close(combined, x * 2)
 
 
+def test_topk_idx_travels_in_deep_eps_index_type(backend, monkeypatch):
+    monkeypatch.setattr(sys.modules["deep_ep"], "topk_idx_t", torch.int32, raising=False)
+    dispatcher = _dispatcher()
+    x, idx, weights = _inputs()
+    out = dispatcher.dispatch(x, idx, weights)
+    layout_call, dispatch_call = backend[1:3]
+    assert layout_call[1].dtype == torch.int32 and dispatch_call[2]["topk_idx"].dtype == torch.int32
+    assert torch.equal(layout_call[1], idx.int()) and out.topk_idx.dtype == torch.int64
+
+
 def test_backward_is_a_masked_combine_and_a_cached_dispatch(backend):
     dispatcher = _dispatcher()
     x, idx, weights = _inputs(requires_grad=True)
