@@ -1,45 +1,109 @@
-"""Command line: ``python -m prime_ac demo`` and ``python -m prime_ac audit``."""
+"""Command line: python -m prime_ac demo and python -m prime_ac audit (CPU, built-in tiny models)."""
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 
-def main(argv: list[str] | None = None) -> int:
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default; flags and unset options say theirs in their help text."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a fraction in [0, 1] of the no-AC activation memory (e.g. 0.3)"
+        )
+    return value
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return int(text)
+
+
+def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     parser = argparse.ArgumentParser(prog="python -m prime_ac", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,audit}")
     demo = commands.add_parser(
-        "demo", help="train one step of built-in tiny models with no AC, full and selective"
+        "demo",
+        formatter_class=_Help,
+        help="train built-in tiny models with no AC, full and selective AC; compare",
+        description="Train the built-in models one step per checkpoint mode and print what each "
+        "mode holds for backward, replays and costs; exits 1 if any gradient differs from no AC.",
     )
-    demo.add_argument("--model", choices=["dense", "moe", "both"], default="both")
-    demo.add_argument("--json", action="store_true", help="print the results as JSON")
+    demo.add_argument(
+        "--model", choices=["dense", "moe", "both"], default="both", help="built-in model(s)"
+    )
+    demo.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=7,
+        help="timed rounds (one step per mode each) after one warm-up round; times are medians",
+    )
+    demo.add_argument(
+        "--json", action="store_true", help="print the results as JSON only (default: a table)"
+    )
     audit = commands.add_parser(
-        "audit", help="report what a policy keeps and replays on a built-in model, per operator"
+        "audit",
+        formatter_class=_Help,
+        help="report what a policy keeps and replays on a built-in model, per operator",
+        description="Checkpoint a built-in model's blocks, run one step and report per block and "
+        "operator what the policy keeps for backward, replays and what that costs.",
     )
-    audit.add_argument("--model", choices=["dense", "moe"], default="dense")
-    audit.add_argument("--mode", choices=["full", "selective"], default="selective")
+    audit.add_argument("--model", choices=["dense", "moe"], default="dense", help="built-in model")
+    audit.add_argument(
+        "--mode", choices=["full", "selective"], default="selective", help="checkpoint mode"
+    )
     audit.add_argument(
         "--targets",
-        help="comma-separated operator targets (default: prime_ac.DEFAULT_TARGETS), or 'auto'",
+        help="comma-separated operator targets kept in selective mode (ns, ns::op or "
+        "ns::op.overload), or 'auto' to choose them within --budget (default: "
+        "prime_ac.DEFAULT_TARGETS: attention, matrix products, communication)",
     )
     audit.add_argument(
-        "--budget", type=float, help="with --targets auto: fraction of no-AC activation memory"
+        "--budget",
+        type=_fraction,
+        help="fraction of the no-AC activation memory each block may keep, e.g. 0.3 "
+        "(default: unset; needed with --targets auto, and only there)",
     )
-    audit.add_argument("--freq", type=int, default=1)
-    audit.add_argument("--json", action="store_true", help="print only the report, as JSON")
+    audit.add_argument(
+        "--freq", type=_positive_int, default=1, help="checkpoint every freq-th block"
+    )
+    audit.add_argument(
+        "--json", action="store_true", help="print only the report, as JSON (default: a table)"
+    )
+    return parser, audit
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, audit = _parsers()
     args = parser.parse_args(argv)
     if args.command == "demo":
         from prime_ac.demo import main as demo_main
 
         kinds = ["dense", "moe"] if args.model == "both" else [args.model]
-        return demo_main(kinds, args.json)
-    if args.command == "audit":
-        return _audit(args)
-    return 2
+        return demo_main(kinds, args.json, repeats=args.repeats)
+    if args.targets == "auto" and (args.budget is None or args.mode != "selective"):
+        audit.error("--targets auto needs --mode selective (the default) and --budget FRACTION")
+    if args.budget is not None and args.targets != "auto":
+        audit.error("--budget applies only with --targets auto")
+    return _audit(args, audit)
 
 
-def _audit(args: argparse.Namespace) -> int:
+def _audit(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import torch
 
     import prime_ac
@@ -66,8 +130,10 @@ def _audit(args: argparse.Namespace) -> int:
             profile=loss if targets == "auto" else None,
         )
     except (TypeError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        # The flags are checked above, so what is left is a bad target; the library names its
+        # Python arguments (targets=...), the command line names the flags.
+        message = re.sub(r"\b(targets|budget|freq|mode)=", r"--\1 ", str(exc))
+        parser.error(message if "--" in message else f"argument --targets: {message}")
     report = prime_ac.audit(model, loss)
     print(report.to_json(indent=2) if args.json else report)
     return 0
