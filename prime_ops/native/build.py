@@ -14,6 +14,7 @@ only (no CUDA torch or GPU needed), which is how CI keeps a CUDA build error fro
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import shutil
 import subprocess
@@ -50,11 +51,24 @@ def csrc_dir() -> Path:
     return path
 
 
+def _sources_digest() -> str:
+    digest = hashlib.sha256()
+    root = csrc_dir()
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".h", ".cuh", ".cpp", ".cu")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def cache_dir(cuda: bool) -> Path:
-    """``$PRIME_OPS_NATIVE_DIR``, else ``~/.cache/prime_ops/native/<abi>-<cpu|cuda>``."""
+    """``$PRIME_OPS_NATIVE_DIR`` (else ``~/.cache/prime_ops/native``) ``/<abi>-<cpu|cuda>-<hash>``.
+
+    The hash of the sources is part of the name, so an upgraded prime-ops never loads a library
+    built from older kernels: it asks for a build instead.
+    """
     root = os.environ.get("PRIME_OPS_NATIVE_DIR")
     base = Path(root) if root else Path.home() / ".cache" / "prime_ops" / "native"
-    return base / f"abi{ABI_TARGET[0]}.{ABI_TARGET[1]}-{'cuda' if cuda else 'cpu'}"
+    abi = f"abi{ABI_TARGET[0]}.{ABI_TARGET[1]}"
+    return base / f"{abi}-{'cuda' if cuda else 'cpu'}-{_sources_digest()}"
 
 
 def _cuda_buildable() -> bool:
