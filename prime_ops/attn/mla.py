@@ -198,10 +198,8 @@ def _flashmla_limits(q: Tensor, kv: Tensor, indices: Tensor, d_v: int) -> None:
 
 
 def _triton_kernels():
-    import_backend("triton", extra="triton")
-    from prime_ops.attn import mla_triton
-
-    return mla_triton
+    # Imported by name (not from the package) so tests can re-import it in interpreter mode.
+    return import_backend("prime_ops.attn.mla_triton", extra="triton")
 
 
 def triton_forward(q, kv, indices, softmax_scale, d_v):
@@ -216,7 +214,7 @@ def _triton_device(q: Tensor) -> None:
     if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             "backend 'triton' runs on CUDA tensors; on CPU only under the Triton interpreter "
-            "(set TRITON_INTERPRET=1 before the first call; slow, for tests). Use "
+            "(set TRITON_INTERPRET=1 before triton is first imported; slow, for tests). Use "
             "backend='reference' on CPU."
         )
 

@@ -14,7 +14,7 @@ visited ``BLOCK_K`` at a time; head dims are visited ``BLOCK_D`` channels at a t
   atomically added into an fp32 ``dkv``: repeated indices add up.
 
 Imported only on the first ``backend="triton"`` or ``"flashmla"`` call. On CPU the kernels run
-under ``TRITON_INTERPRET=1`` (tests); the variable must be set before this module is imported.
+under ``TRITON_INTERPRET=1`` (tests); Triton reads it when ``triton`` is first imported.
 """
 
 from __future__ import annotations
