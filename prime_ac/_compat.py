@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 __all__ = [
     "SAC_IGNORED_OPS",
+    "DispatchMode",
     "HigherOrderOperator",
     "OpOverload",
     "TorchDispatchMode",
@@ -29,6 +30,7 @@ __all__ = [
     "redirect_hops",
     "sac_context",
     "schema_is_mutable",
+    "set_eval_frame",
     "storage_id",
     "tree_flatten",
     "tree_leaves",
@@ -41,6 +43,32 @@ __all__ = [
 # in every release 2.9-2.14).
 OpOverload = torch._ops.OpOverload
 HigherOrderOperator = torch._ops.HigherOrderOperator
+
+# torch 2.10+ wraps the __torch_dispatch__ of every TorchDispatchMode subclass in
+# torch._disable_dynamo (TorchDispatchMode.__init_subclass__, unless the class's
+# _should_skip_dynamo() is False): several microseconds of Python per operator, the largest part
+# of a mode's cost. prime_ac's modes opt out and keep what the wrapper guarantees (dynamo never
+# evaluates frames inside the handler) with two C calls to set_eval_frame around it (torch 2.0+).
+# Public replacement: none.
+_eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+set_eval_frame = getattr(_eval_frame, "set_eval_frame", lambda callback: None)
+
+
+class DispatchMode(TorchDispatchMode):
+    """A TorchDispatchMode without torch's per-operator dynamo wrapper (see above).
+
+    Subclasses call :data:`set_eval_frame` around their handler themselves. Like torch's own SAC
+    modes they ignore compile internals: compiled code inside a region stays compiled.
+    """
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
 
 # Operators torch's own selective checkpointing lets through uncounted (detach, which autograd
 # inserts a different number of times in forward and recompute; metadata queries). A module

@@ -80,6 +80,7 @@ SYNC = 5  # kept when the call reads a device tensor into host memory
 PLANNED = 6  # replayed except the calls a budget plan keeps (by call index)
 CALL = 7  # a user policy callable decides per call
 
+_set_eval_frame = _compat.set_eval_frame
 _SAVES = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE, True)
 _CONSUMED = object()
 _MISSING = object()
@@ -268,16 +269,12 @@ def _written_tensors(written: Any, args: tuple, kwargs: dict) -> list[torch.Tens
     return tensors
 
 
-class KeepMode(_compat.TorchDispatchMode):
+class KeepMode(_compat.DispatchMode):
     """The forward mode: runs every operator, keeps what the rules keep."""
 
     def __init__(self, cache: RegionCache, rules: Rules):
         super().__init__()
         self.cache, self.rules, self.actions = cache, rules, rules.actions
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
 
     def __enter__(self):
         _compat.redirect_hops(type(self))
@@ -288,12 +285,16 @@ class KeepMode(_compat.TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        action = self.actions.get(func)
-        if action is None:
-            action = self.rules.action(func)
-        if action <= RUN:
-            return func(*args, **kwargs) if kwargs else func(*args)
-        return self._dispatch(func, action, args, kwargs or {})
+        prior = _set_eval_frame(None)  # no dynamo inside the handler (see _compat.DispatchMode)
+        try:
+            action = self.actions.get(func)
+            if action is None:
+                action = self.rules.action(func)
+            if action <= RUN:
+                return func(*args, **kwargs) if kwargs else func(*args)
+            return self._dispatch(func, action, args, kwargs or {})
+        finally:
+            _set_eval_frame(prior)
 
     def _dispatch(self, func: Any, action: int, args: tuple, kwargs: dict) -> Any:
         cache = self.cache
@@ -317,7 +318,7 @@ class KeepMode(_compat.TorchDispatchMode):
         return out
 
 
-class ReplayMode(_compat.TorchDispatchMode):
+class ReplayMode(_compat.DispatchMode):
     """The recompute mode: hands kept results back, runs everything else."""
 
     record = False  # True: enter even when nothing was kept (the audit counts replays)
@@ -327,10 +328,6 @@ class ReplayMode(_compat.TorchDispatchMode):
         self.cache, self.rules, self.actions = cache, rules, rules.actions
         self.calls: dict[Any, int] = {}
         self._entered = False
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
 
     def __enter__(self):
         self.calls.clear()  # a second backward finds consumed entries, not shifted indices
@@ -346,12 +343,16 @@ class ReplayMode(_compat.TorchDispatchMode):
         return None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        action = self.actions.get(func)
-        if action is None:
-            action = self.rules.action(func)
-        if action <= WRITE:
-            return func(*args, **kwargs) if kwargs else func(*args)
-        return self._dispatch(func, action, args, kwargs or {})
+        prior = _set_eval_frame(None)
+        try:
+            action = self.actions.get(func)
+            if action is None:
+                action = self.rules.action(func)
+            if action <= WRITE:
+                return func(*args, **kwargs) if kwargs else func(*args)
+            return self._dispatch(func, action, args, kwargs or {})
+        finally:
+            _set_eval_frame(prior)
 
     def _dispatch(self, func: Any, action: int, args: tuple, kwargs: dict) -> Any:
         if action == SYNC and not reads_device_into_host(func, args, kwargs):
