@@ -124,7 +124,7 @@ def test_torchao_missing_names_the_extra(monkeypatch):
 # --------------------------------------------------------------------------- on gloo ranks
 
 
-def _inputs(world, matrix, trailing, dtype, seed):
+def _inputs(matrix, trailing, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(sum(row), *trailing, generator=g) * 3).to(dtype) for row in matrix], g
 
@@ -142,7 +142,7 @@ def _roundtrip(x):
 
 def _check_transport(rank, world, matrix, trailing, dtype, seed):
     """Forward and both gradient modes equal the single-process composition, bit for bit."""
-    xs, g = _inputs(world, matrix, trailing, dtype, seed)
+    xs, g = _inputs(matrix, trailing, dtype, seed)
     send = matrix[rank]
     recv = [matrix[s][rank] for s in range(world)]
     expected = _exchange([_roundtrip(x) for x in xs], matrix, world)
@@ -156,7 +156,6 @@ def _check_transport(rank, world, matrix, trailing, dtype, seed):
         # The adjoint exchange sends each gradient row back: rank r sent matrix[r][s] rows to s.
         back = _exchange([transform(go) for go in grads_out], transposed, world)
         torch.testing.assert_close(grad, back[rank], atol=0, rtol=0)
-    return xs[rank], recv, send
 
 
 def _count_wire_bytes(monkeypatch_target):
