@@ -97,7 +97,7 @@ def _body(rank: int, world_size: int) -> None:
     for build, vocab in ((lambda: build_model("moe", n_layers=2), 256), (HFStyle, 32)):
         torch.manual_seed(0)
         _check_both_orders(
-            build(), torch.randint(0, vocab, (2, 17), generator=torch.Generator().manual_seed(0))
+            build(), torch.randint(0, vocab, (2, 9), generator=torch.Generator().manual_seed(0))
         )
 
 
@@ -109,6 +109,9 @@ def _check_both_orders(base: nn.Module, tokens: torch.Tensor) -> None:
     names = prime_ac.checkpoint_blocks(single, mode="selective")
     expected = _figures(prime_ac.audit(single, loss))
     assert 0 < expected[0] < expected[1]
+    prime_ac.checkpoint_blocks(single, mode="full")
+    expected_full = _figures(prime_ac.audit(single, loss))
+    assert expected_full[0] < expected[0] and expected_full[2] > 0  # replays FLOPs
 
     for order in ("ac-then-fsdp", "fsdp-then-ac"):
         model = copy.deepcopy(base)
@@ -141,6 +144,10 @@ def _check_both_orders(base: nn.Module, tokens: torch.Tensor) -> None:
         assert [n for n, _ in wrapped_blocks(model)] == names[:1]
         assert checkpoint_state(layers[0]).policy.mode == "full"
         loss(model).backward()  # trains
+        # and back to every block, by state alone
+        assert prime_ac.checkpoint_blocks(model, mode="full") == names
+        assert [type(layer) for layer in layers] == classes, order
+        assert _figures(prime_ac.audit(model, loss)) == expected_full, order
 
 
 @pytest.mark.slow
