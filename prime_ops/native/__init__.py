@@ -28,6 +28,7 @@ from prime_ops.backends import BackendUnavailable
 from prime_ops.native import build as _build
 
 __all__ = [
+    "has_kernel",
     "is_available",
     "merge_attn_states",
     "moe_permute",
@@ -63,6 +64,18 @@ def is_available() -> bool:
     return _build.load()
 
 
+def has_kernel(name: str, device: torch.device) -> bool:
+    """True when ``prime_rl::<name>`` can run on ``device`` now (library built, with kernels for
+    that device type). Callers that keep an eager chain as their fallback ask this first.
+
+    >>> if native.has_kernel("merge_attn_states", out.device): ...
+    """
+    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device.type)
+    if key is None or not _build.load():
+        return False
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"prime_rl::{name}", key)
+
+
 def _unavailable(name: str):
     """The kernel behind every op until the library is loaded (backend kernels take precedence
     once it is): loads a cached build and re-dispatches, or says how to build."""
@@ -74,8 +87,7 @@ def _unavailable(name: str):
                 f"prime_rl::{name} needs the native kernels of prime-ops, which are not built "
                 f"on this machine. Build them once with: {_build.BUILD_COMMAND}"
             )
-        key = "CUDA" if device.type == "cuda" else device.type.upper()
-        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"prime_rl::{name}", key):
+        if not has_kernel(name, device):
             raise BackendUnavailable(
                 f"prime_rl::{name} has no {device.type} kernel in the loaded native library; "
                 "CUDA kernels are built when torch is a CUDA build and nvcc is on the PATH: "

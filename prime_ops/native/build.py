@@ -14,6 +14,7 @@ only (no CUDA torch or GPU needed), which is how CI keeps a CUDA build error fro
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import os
 import shutil
@@ -51,6 +52,7 @@ def csrc_dir() -> Path:
     return path
 
 
+@functools.cache  # the sources do not change under a running process
 def _sources_digest() -> str:
     digest = hashlib.sha256()
     root = csrc_dir()
