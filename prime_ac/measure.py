@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_leaves
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from prime_ac._compat import TorchDispatchMode, tree_leaves
 
 __all__ = [
     "OpCounter",
