@@ -136,15 +136,16 @@ def _mismatch(prints: Sequence[Fingerprint]) -> str | None:
         problem = _same_on_every_rank(field, [p.shared.get(field) for p in prints])
         if problem is not None:
             return problem
-    pairs = [(s, r) for s in range(len(prints)) for r in range(len(prints))]
-    for src, dst in pairs if all(p.send for p in prints) else ():
-        sender, receiver = prints[src], prints[dst]
-        if sender.send[dst] != receiver.recv[src]:
-            return (
-                f"rank {src} sends {sender.send[dst]} rows to rank {dst} (its "
-                f"input_splits[{dst}]) but rank {dst} expects {receiver.recv[src]} (its "
-                f"output_splits[{src}])"
-            )
+    if not all(p.send for p in prints):
+        return None
+    for src, sender in enumerate(prints):
+        for dst, receiver in enumerate(prints):
+            if sender.send[dst] != receiver.recv[src]:
+                return (
+                    f"rank {src} sends {sender.send[dst]} rows to rank {dst} (its "
+                    f"input_splits[{dst}]) but rank {dst} expects {receiver.recv[src]} (its "
+                    f"output_splits[{src}])"
+                )
     return None
 
 
@@ -183,9 +184,11 @@ def agree(
     details: list[Any] = [None] * world
     dist.all_gather_object(details, (error, mine), group=group)
     suffix = f"Every rank raises this error ({CHECK_ENV} / checked=True); nothing was sent."
-    for rank, (error, _) in enumerate(details):
-        if error is not None:
-            raise ValueError(f"{op}: rank {rank} of the group rejected its call: {error}. {suffix}")
+    for rank, (message, _) in enumerate(details):
+        if message is not None:
+            raise ValueError(
+                f"{op}: rank {rank} of the group rejected its call: {message}. {suffix}"
+            )
     problem = _mismatch([fingerprint for _, fingerprint in details]) or "fingerprints differ"
     raise ValueError(f"{op}: the ranks' calls do not fit together: {problem}. {suffix}")
 
