@@ -6,10 +6,13 @@ several budgets, one run prints:
 
 - kept: bytes alive between forward and backward, relative to no AC (deterministic)
 - replayed: forward FLOPs the backward re-executes, relative to one forward (deterministic)
-- step: eager training-step time relative to no AC (best of 3; noisy on shared machines)
+- step: eager training-step time relative to no AC (median of 5 after a warm-up; noisy on shared
+  machines, and the only column that is)
 
-then checks the budget policy against the torchtitan rule (Pareto dominance) and times the
-policy's per-operator decision. ``--json`` prints the results as JSON only.
+then checks the budget policy against the torchtitan rule (Pareto dominance, from the two
+deterministic columns only) and times the policy's per-operator decision. ``--json`` prints the
+results as JSON only. tests/test_ac_audit.py runs ``measure(..., timed=False)`` on the smallest
+models that show the dominance.
 
     python benchmarks/ac_tradeoff.py [--json] [--quick]
 """
@@ -20,55 +23,59 @@ import argparse
 import copy
 import dataclasses
 import json
+import statistics
 import time
 import timeit
-from collections import defaultdict
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import prime_ac
+from prime_ac.blocks import checkpoint_state, wrap_block, wrapped_blocks
+from prime_ac.budget import budget_context_fn
 from prime_ac.models import build_model
 
 aten = torch.ops.aten
 
 # torchtitan's save list; on CPU, SDPA dispatches to the flash_for_cpu op, which stands in for the
-# CUDA attention kernels it names.
-TORCHTITAN_SAVE = {
-    aten.mm.default,
-    aten._scaled_dot_product_efficient_attention.default,
-    aten._scaled_dot_product_flash_attention.default,
-    aten._scaled_dot_product_cudnn_attention.default,
-    aten._scaled_dot_product_flash_attention_for_cpu.default,
-    aten._scaled_mm.default,
-    aten.max.default,
-    aten.topk.default,
-    torch.ops._c10d_functional.reduce_scatter_tensor.default,
-    torch.ops._c10d_functional.all_to_all_single.default,
-    torch.ops.higher_order.flex_attention,
-}
+# CUDA attention kernels it names. aten::mm is kept at every second call of a region (below).
+TORCHTITAN_SAVE = [
+    "aten::_scaled_dot_product_efficient_attention.default",
+    "aten::_scaled_dot_product_flash_attention.default",
+    "aten::_scaled_dot_product_cudnn_attention.default",
+    "aten::_scaled_dot_product_flash_attention_for_cpu.default",
+    "aten::_scaled_mm.default",
+    "aten::max.default",
+    "aten::topk.default",
+    "_c10d_functional::reduce_scatter_tensor.default",
+    "_c10d_functional::all_to_all_single.default",
+    "higher_order::flex_attention",
+]
 
 
-def torchtitan_contexts():
-    """Per region: keep the save list, except every second matmul (torchtitan's rule)."""
-    matmuls = defaultdict(int)
+def apply_torchtitan_rule(model):
+    """torchtitan's SelectiveAC rule: the save list, and every second matmul of a region.
 
-    def policy(ctx, op, *args, **kwargs):
-        if op == aten.mm.default:
-            matmuls["count"] += 1
-        keep = op in TORCHTITAN_SAVE and not (op == aten.mm.default and matmuls["count"] % 2 == 0)
-        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return create_selective_checkpoint_contexts(policy)
+    torchtitan counts matmuls in its policy and keeps the 1st, 3rd, ... of each region; the same
+    decisions are a per-call plan here (call indices 0, 2, 4, ... of aten::mm in each block), so
+    the audit measures them exactly as it measures prime_ac's own policies.
+    """
+    policy = prime_ac.make_policy("selective", targets=TORCHTITAN_SAVE)
+    every_second_mm = frozenset((aten.mm.default, i) for i in range(0, 1024, 2))
+    prime_ac.checkpoint_blocks(model, mode="full")
+    for name, block in wrapped_blocks(model):
+        state = dataclasses.replace(
+            checkpoint_state(block),
+            policy=policy,
+            context_fn=budget_context_fn(policy, every_second_mm, f"block {name!r}"),
+        )
+        wrap_block(block, state)
 
 
 def apply_policy(model, name, loss, budget=None):
     if name == "none":
         return
     if name == "torchtitan":
-        prime_ac.checkpoint_blocks(model, mode="full")
-        for block in model.layers:  # swap in the anchor's contexts; prime_ac still wraps
-            block._prime_ac = dataclasses.replace(block._prime_ac, context_fn=torchtitan_contexts)
+        apply_torchtitan_rule(model)
     elif name.startswith("budget"):
         prime_ac.checkpoint_blocks(
             model, mode="selective", targets="auto", budget=budget, profile=loss
@@ -77,20 +84,21 @@ def apply_policy(model, name, loss, budget=None):
         prime_ac.checkpoint_blocks(model, mode=name)
 
 
-def step_time(model, loss, repeats=3):
-    best = float("inf")
+def step_time(model, loss, repeats=5):
+    times = []
     for _ in range(repeats + 1):  # the first run warms up
         model.zero_grad(set_to_none=True)
         start = time.perf_counter()
         loss(model).backward()
-        best = min(best, time.perf_counter() - start)
-    return best
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
 
 
-def measure(kind, overrides, budgets, seq_len):
+def measure(kind, overrides, budgets, seq_len, batch=4, timed=True):
+    """One row per policy; ``timed=False`` leaves out the step times (deterministic rows only)."""
     base = build_model(kind, **overrides)
     tokens = torch.randint(
-        0, base.cfg.vocab_size, (4, seq_len + 1), generator=torch.Generator().manual_seed(0)
+        0, base.cfg.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0)
     )
 
     def loss(m):
@@ -117,8 +125,9 @@ def measure(kind, overrides, budgets, seq_len):
             "replayed_flops": replayed,
             "replayed_ratio": replayed / report.forward_flops,
             "block_kept_bytes": report.block_kept_bytes() if name != "none" else None,
-            "step_s": step_time(model, loss),
         }
+        if timed:
+            row["step_s"] = step_time(model, loss)
         rows.append(row)
         return row
 
@@ -129,9 +138,9 @@ def measure(kind, overrides, budgets, seq_len):
     for fraction in budgets:
         run(f"budget {fraction:g}", fraction)
     run("budget = torchtitan bytes", anchor["block_kept_bytes"])
-    none_step = rows[0]["step_s"]
-    for row in rows:
-        row["step_ratio"] = row["step_s"] / none_step
+    if timed:
+        for row in rows:
+            row["step_ratio"] = row["step_s"] / rows[0]["step_s"]
     return rows
 
 

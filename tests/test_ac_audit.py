@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import itertools
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import prime_ac
+from prime_ac.__main__ import main as cli
 from prime_ac.budget import choose_calls
 from prime_ac.demo import compare_modes
 from prime_ac.models import build_model
@@ -58,7 +58,9 @@ def test_audit_full_mode_replays_the_op_in_every_block():
 def test_audit_replayed_flops_agree_with_the_backward_flop_difference():
     rows = {
         r.mode: r
-        for r in compare_modes("moe", modes=("none", "full"), batch=2, seq_len=16, n_layers=2)
+        for r in compare_modes(
+            "moe", modes=("none", "full"), batch=2, seq_len=16, n_layers=2, repeats=1
+        )
     }
     model = build_model("moe", n_layers=2)
     tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
@@ -89,23 +91,11 @@ def test_audit_needs_wrapped_blocks():
 
 
 @pytest.mark.slow
-def test_audit_cli_prints_json_only():
-    out = subprocess.run(
-        [sys.executable, "-m", "prime_ac", "audit", "--model", "dense", "--mode", "full", "--json"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=300,
-    )
-    report = json.loads(out.stdout)
+def test_audit_cli_prints_json_only(capsys):
+    # In-process; tests/test_demo.py checks the command line's errors.
+    assert cli(["audit", "--model", "dense", "--mode", "full", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
     assert report["mode"] == "full" and len(report["blocks"]) == 4
-    bad = subprocess.run(
-        [sys.executable, "-m", "prime_ac", "audit", "--targets", "aten:mm"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert bad.returncode == 2 and "invalid operator target 'aten:mm'" in bad.stderr
 
 
 # --- the budget policy ----------------------------------------------------------------------------
@@ -141,7 +131,7 @@ def test_budget_is_respected_and_more_budget_never_replays_more(dense_step):
     reference = copy.deepcopy(base)
     loss(reference).backward()
     replayed = []
-    for budget in [0.0, 0.05, 0.1, 0.2, 0.4, 1.0]:
+    for budget in [0.0, 0.1, 0.4, 1.0]:
         model = copy.deepcopy(base)
         prime_ac.checkpoint_blocks(
             model, mode="selective", targets="auto", budget=budget, profile=loss
@@ -208,24 +198,28 @@ def test_budget_per_block_mapping(dense_step):
         prime_ac.ACConfig("selective", targets="auto", budget={"layers.0": 0.5})
 
 
+def _tradeoff_benchmark():
+    path = Path(__file__).parents[1] / "benchmarks" / "ac_tradeoff.py"
+    spec = importlib.util.spec_from_file_location("ac_tradeoff", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.slow
-def test_tradeoff_benchmark_budget_policy_dominates_the_torchtitan_rule():
-    out = subprocess.run(
-        [sys.executable, "benchmarks/ac_tradeoff.py", "--quick", "--json"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=600,
-        cwd=Path(__file__).parents[1],
-    )
-    result = json.loads(out.stdout)
-    for name, model in result["models"].items():
-        rows = {r["policy"]: r for r in model["rows"]}
-        assert model["pareto"]["dominated"], name
-        assert rows["full"]["kept_ratio"] <= 0.15, name
-        assert rows["budget 0.5"]["replayed_flops"] == 0, name
-    assert result["models"]["dense/small"]["pareto"]["strictly"]
-    assert result["decision_ns_per_op"] < 5000  # < 1 us on a quiet machine; CI is shared
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_tradeoff_benchmark_budget_policy_dominates_the_torchtitan_rule(kind):
+    # The benchmark's own code, in-process, untimed, on one block and 16 tokens: the smallest
+    # model where the budget policy still strictly dominates torchtitan's rule.
+    bench = _tradeoff_benchmark()
+    rows = bench.measure(kind, {"n_layers": 1}, (0.2, 0.5), seq_len=16, batch=1, timed=False)
+    by_policy = {r["policy"]: r for r in rows}
+    pareto = bench.pareto_check(rows)
+    assert pareto["dominated"] and pareto["strictly"], pareto
+    none, full, anchor = by_policy["none"], by_policy["full"], by_policy["torchtitan"]
+    assert full["kept_bytes"] < anchor["kept_bytes"] < none["kept_bytes"]
+    assert 0 < anchor["replayed_flops"] < full["replayed_flops"]
+    assert by_policy["budget 0.5"]["replayed_flops"] == 0
 
 
 @pytest.mark.slow
