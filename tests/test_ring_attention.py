@@ -137,3 +137,11 @@ def test_ring_fake_gives_local_shapes_without_a_group():
             out, q, kv, kv, out, lse, cu, 100, True, 0.1, 0.0, "no-such-group", "fa3"
         )
         assert (dq.shape, dk.shape, dv.shape) == (q.shape, kv.shape, kv.shape)
+
+
+@pytest.mark.skipif(dist.is_initialized(), reason="needs an uninitialized default group")
+def test_ring_without_process_group_says_how_to_fix():
+    q = torch.randn(4, 2, 8)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="ring_attention: .*init_process_group"):
+        ring_attention(q, q, q, cu, 4)
