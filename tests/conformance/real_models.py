@@ -160,6 +160,40 @@ def _wan_batch() -> dict[str, Any]:
     }
 
 
+def _hunyuan_video() -> nn.Module:
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    torch.manual_seed(0)
+    return HunyuanVideoTransformer3DModel(
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        num_layers=1,
+        num_single_layers=2,
+        num_refiner_layers=1,
+        mlp_ratio=2.0,
+        patch_size=1,
+        patch_size_t=1,
+        guidance_embeds=False,
+        text_embed_dim=16,
+        pooled_projection_dim=8,
+        rope_axes_dim=(2, 2, 4),
+    ).train()
+
+
+def _hunyuan_video_batch() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "hidden_states": torch.randn(BATCH, 4, 2, 4, 4, generator=g),
+        "timestep": torch.tensor([10, 500]),
+        "encoder_hidden_states": torch.randn(BATCH, 5, 16, generator=g),
+        "encoder_attention_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]),
+        "pooled_projections": torch.randn(BATCH, 8, generator=g),
+        "return_dict": False,
+    }
+
+
 CASES = [
     # dense decoder LMs
     Case(
@@ -381,6 +415,14 @@ CASES = [
         _names("transformer_blocks", 2) + _names("single_transformer_blocks", 2),
     ),
     Case("wan", _wan, _wan_batch, _names("blocks", 2)),
+    # HunyuanVideo: a one-block token-refiner stack in the text embedder, one double block
+    Case(
+        "hunyuan_video",
+        _hunyuan_video,
+        _hunyuan_video_batch,
+        ("context_embedder.token_refiner.refiner_blocks.0", "transformer_blocks.0")
+        + _names("single_transformer_blocks", 2),
+    ),
 ]
 
 # One-layer stacks (a debug config, a DiT with one double block): discovery only.
