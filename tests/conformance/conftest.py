@@ -1,4 +1,4 @@
-"""Shared set-up of the conformance suite: quiet libraries, cheap garbage collection, a ratio table.
+"""Shared set-up of the conformance suite: quiet libraries, cheap steps, a table of held bytes.
 
 The suite's test modules skip themselves when ``transformers`` or ``diffusers`` is missing
 (install the ``conformance`` extra).
@@ -20,18 +20,22 @@ except ImportError:
 else:
     transformers.logging.set_verbosity_error()  # config warnings about tiny vocabularies
     diffusers.logging.set_verbosity_error()
-    # prime_ac.audit runs gc.collect() per measured step; after these imports a collection walks
-    # about a million long-lived objects. Freezing them makes each collection ~10x cheaper.
-    gc.freeze()
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes gain nothing from intra-op threads; on a busy 2-core machine the threads'
-    spin-waits cost ~100x the work itself."""
+def _cheap_steps():
+    """One intra-op thread and a frozen heap while this suite's modules run.
+
+    Tiny shapes gain nothing from threads, and on a busy 2-core machine their spin-waits cost
+    ~100x the work itself. prime_ac.audit runs gc.collect() per measured step, which after the
+    transformers and diffusers imports walks about a million long-lived objects; frozen, they
+    are skipped (~10x cheaper). Both are restored afterwards for the rest of the test session.
+    """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    gc.freeze()
     yield
+    gc.unfreeze()
     torch.set_num_threads(threads)
 
 
