@@ -113,17 +113,25 @@ std::tuple<Tensor, Tensor, Tensor> moe_permute(Tensor x, Tensor topk_idx, int64_
   return {sorted, row_map, counts};
 }
 
-// out[t] = sum over slots k with row_map[t, k] >= 0 of w[t, k] * rows[row_map[t, k]], summed
-// in slot order in the accumulation type; w == nullptr means unit weights.
+// out[t] = sum over kept slots k of w[t, k] * rows[row_map[t, k]], in the accumulation type.
+// Weighted sums (moe_unpermute) run in slot order, like the eager `(slots * w).sum(1)`;
+// unweighted ones (moe_permute's backward, w == nullptr) run in row order, like the
+// accumulating index_put that autograd runs for `x[order // K]`.
 template <typename scalar_t, typename weight_t>
 void gather_sum(const scalar_t* rows, const int64_t* row_map, const weight_t* w, int64_t tokens,
                 int64_t top_k, int64_t dim, scalar_t* out) {
   using acc = acc_t<scalar_t>;
   torch::stable::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
     std::vector<acc> sum(dim);
+    std::vector<int64_t> slots(top_k);
     for (int64_t t = begin; t < end; ++t) {
       std::fill(sum.begin(), sum.end(), acc(0));
-      for (int64_t k = 0; k < top_k; ++k) {
+      for (int64_t k = 0; k < top_k; ++k) slots[k] = k;
+      if (w == nullptr) {
+        const int64_t* map = row_map + t * top_k;
+        std::sort(slots.begin(), slots.end(), [&](int64_t a, int64_t b) { return map[a] < map[b]; });
+      }
+      for (int64_t k : slots) {
         const int64_t r = row_map[t * top_k + k];
         if (r < 0) continue;
         const scalar_t* y = rows + r * dim;

@@ -163,16 +163,26 @@ std::tuple<Tensor, Tensor, Tensor> moe_permute(Tensor x, Tensor topk_idx, int64_
   return {sorted, row_map, counts};
 }
 
-// One block per token: out[t] = sum_k w[t, k] * rows[row_map[t, k]], slots in order.
+// One block per token: out[t] = sum_k w[t, k] * rows[row_map[t, k]]. Weighted sums run in slot
+// order, unweighted ones (moe_permute's backward) in row order, as on CPU.
 template <typename scalar_t, typename weight_t>
 __global__ void gather_sum_kernel(const scalar_t* rows, const int64_t* row_map,
                                   const weight_t* w, int64_t top_k, int64_t dim, scalar_t* out) {
   using acc = acc_t<scalar_t>;
+  extern __shared__ int64_t order[];  // this token's rows in summation order
   const int64_t t = blockIdx.x;
+  if (threadIdx.x == 0) {
+    for (int64_t k = 0; k < top_k; ++k) {
+      int64_t r = row_map[t * top_k + k], j = k;
+      for (; w == nullptr && j > 0 && order[j - 1] > r; --j) order[j] = order[j - 1];
+      order[j] = r;
+    }
+  }
+  __syncthreads();
   for (int64_t d = threadIdx.x; d < dim; d += blockDim.x) {
     acc sum = 0;
     for (int64_t k = 0; k < top_k; ++k) {
-      const int64_t r = row_map[t * top_k + k];
+      const int64_t r = order[k];
       if (r < 0) continue;
       const acc wk = w == nullptr ? acc(1) : static_cast<acc>(w[t * top_k + k]);
       sum += wk * static_cast<acc>(rows[r * dim + d]);
@@ -206,7 +216,7 @@ Tensor moe_unpermute(Tensor y_sorted, Tensor row_map, Tensor topk_weights) {
   dispatch_weights(y_sorted, topk_weights, [&](auto s, auto wt) {
     using scalar_t = decltype(s);
     using weight_t = decltype(wt);
-    gather_sum_kernel<<<tokens, 128, 0, stream>>>(
+    gather_sum_kernel<<<tokens, 128, top_k * sizeof(int64_t), stream>>>(
         y_sorted.const_data_ptr<scalar_t>(), row_map.const_data_ptr<int64_t>(),
         topk_weights.const_data_ptr<weight_t>(), top_k, dim, out.mutable_data_ptr<scalar_t>());
     check_launch();
@@ -224,7 +234,7 @@ Tensor moe_permute_backward(Tensor grad_sorted, Tensor row_map) {
   if (tokens == 0 || dim == 0) return grad_x;
   dispatch_floating(grad_sorted.scalar_type(), "grad_x_sorted", [&](auto s) {
     using scalar_t = decltype(s);
-    gather_sum_kernel<scalar_t, scalar_t><<<tokens, 128, 0, stream>>>(
+    gather_sum_kernel<scalar_t, scalar_t><<<tokens, 128, top_k * sizeof(int64_t), stream>>>(
         grad_sorted.const_data_ptr<scalar_t>(), row_map.const_data_ptr<int64_t>(), nullptr,
         top_k, dim, grad_x.mutable_data_ptr<scalar_t>());
     check_launch();
