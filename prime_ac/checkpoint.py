@@ -88,8 +88,10 @@ def checkpoint_blocks(
     policy = make_policy(
         "full" if auto else config.mode, None if auto else config.targets, mandatory
     )
-    named = TargetSet(config.targets or () if config.mode == "selective" and not auto else ())
-    _report(named.problems() + TargetSet(mandatory).problems(mandatory=True), strict)
+    named = config.targets if config.mode == "selective" and not auto else None
+    _report(
+        TargetSet(named or ()).problems() + TargetSet(mandatory).problems(mandatory=True), strict
+    )
 
     selected = [
         (name, block)
