@@ -449,6 +449,13 @@ def test_unbuilt_library_raises_backend_unavailable(monkeypatch):
         kernel(torch.zeros(2, 4), torch.zeros(2, 1, dtype=torch.long), 2, 1)
 
 
+def test_has_kernel_names_the_devices_built():
+    assert native.has_kernel("moe_permute", torch.device("cpu"))
+    assert not native.has_kernel("moe_permute", torch.device("meta"))
+    cuda_built = torch._C._dispatch_has_kernel_for_dispatch_key("prime_rl::moe_permute", "CUDA")
+    assert native.has_kernel("moe_permute", torch.device("cuda")) == cuda_built
+
+
 def test_fakes_work_without_kernels():
     """Meta tensors (and so torch.compile's tracing) never need the built library."""
     x = torch.empty(16, 256, device="meta")

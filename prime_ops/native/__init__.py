@@ -64,6 +64,7 @@ def is_available() -> bool:
     return _build.load()
 
 
+@torch.compiler.assume_constant_result  # torch.compile asks once while tracing
 def has_kernel(name: str, device: torch.device) -> bool:
     """True when ``prime_rl::<name>`` can run on ``device`` now (library built, with kernels for
     that device type). Callers that keep an eager chain as their fallback ask this first.

@@ -122,8 +122,13 @@ def load() -> bool:
     global _loaded
     if _loaded is not None:
         return True
-    for cuda in (True, False) if torch.version.cuda else (False,):
-        libs = sorted(cache_dir(cuda).glob(f"{LIBRARY}*.so"), key=lambda p: p.stat().st_mtime)
+    try:
+        dirs = [cache_dir(True)] if torch.version.cuda else []
+        dirs.append(cache_dir(False))
+    except FileNotFoundError:  # no sources, so no build of them either
+        return False
+    for out in dirs:
+        libs = sorted(out.glob(f"{LIBRARY}*.so"), key=lambda p: p.stat().st_mtime)
         if libs:
             torch.ops.load_library(str(libs[-1]))
             _loaded = libs[-1]
