@@ -234,3 +234,29 @@ def test_flex_attention_flops_count_like_sdpa():
     flex = torch.ops.higher_order.flex_attention  # a higher-order op: no overload packet
     # 2 * s * s * d for q @ k^T and again for p @ v, per batch and head
     assert operator_flops(flex, (q, k, v), {}, None) == b * h * 2 * (2 * s * s * d)
+
+
+class GroupedExperts(nn.Module):
+    """HF MoE experts' default path: one ``torch._grouped_mm`` over tokens sorted by expert."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(2, 8, 16) / 4)
+        self.down = nn.Parameter(torch.randn(2, 16, 8) / 4)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x):
+        offs = torch.tensor([3, 6], dtype=torch.int32)  # tokens 0-2 to expert 0, 3-5 to expert 1
+        h = torch.relu(torch._grouped_mm(self.norm(x), self.up, offs=offs))
+        return x + torch._grouped_mm(h, self.down, offs=offs)
+
+
+def test_auto_keeps_expert_gemms_once_they_have_flops():
+    model, x = nn.Sequential(GroupedExperts(), GroupedExperts()), torch.randn(6, 8)
+    prime_ac.checkpoint_blocks(
+        model, mode="selective", targets="auto", budget=1.0, profile=lambda m: m(x).square().sum()
+    )
+    kept = {
+        str(op) for name in ("0", "1") for op, _ in model.get_submodule(name)._prime_ac.plan.kept
+    }
+    assert kept == {"aten._grouped_mm.default"}
