@@ -43,6 +43,7 @@ _ATTENTION = (
     "flash_attn",
     "flash_attn_3",
     "prime_rl_attn",
+    "prime_rl::sparse_mla",
     "higher_order::flex_attention",
 )
 _MATMUL = (

@@ -37,9 +37,9 @@ from prime_ops.devices import check_same_device
 __all__ = ["Dispatched", "Dispatcher", "live_handles"]
 
 BUILD = (
-    "DeepEP is built from source (nothing on PyPI installs it): git clone "
-    "https://github.com/deepseek-ai/DeepEP && cd DeepEP && ./install.sh (NVSHMEM is needed for "
-    "internode and low-latency kernels; see docs/backends.md)"
+    "then build DeepEP from source (PyPI has no working DeepEP): git clone "
+    "https://github.com/deepseek-ai/DeepEP && cd DeepEP && ./install.sh (the extra installs the "
+    "NVSHMEM its internode and low-latency kernels need; see docs/backends.md)"
 )
 BACKENDS = ("deepep", "reference")
 
@@ -148,7 +148,7 @@ class Dispatcher:
         if backend == "reference":
             self.buffer = ReferenceBuffer(group)
         else:
-            deep_ep = import_backend("deep_ep", extra=None, build=BUILD)
+            deep_ep = import_backend("deep_ep", extra="deepep", build=BUILD)
             self.topk_idx_dtype = getattr(deep_ep, "topk_idx_t", torch.int64)
             self.buffer = _deep_ep_buffer(
                 deep_ep, group, hidden, num_nvl_bytes, num_rdma_bytes, buffer_kwargs
