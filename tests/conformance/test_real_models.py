@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 pytest.importorskip("transformers")
 pytest.importorskip("diffusers")
@@ -97,6 +98,40 @@ def test_gradients_are_bitwise_equal_to_no_checkpointing(reference, mode):
         assert not differ, f"{case.name} mode={mode} step {step}: gradients differ for {differ}"
     with torch.no_grad():  # a validation pass through the wrapped blocks
         assert torch.equal(case.loss(model, batch), loss0)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_a_mode_active_only_in_backward_changes_nothing(reference, mode):
+    """FlopCounterMode (and its module tracker) sees only the recompute: no replay error.
+
+    The reference is the plain model's backward under the same mode, since a Python dispatch
+    mode can change which backward kernels run (bitwise) even without checkpointing.
+    """
+    case, plain, batch, *_ = reference
+    results = []
+    for wrap in (False, True):
+        model = copy.deepcopy(plain)
+        if wrap:
+            prime_ac.checkpoint_blocks(model, **SETTINGS[mode])
+        loss = case.loss(model, batch)
+        with FlopCounterMode(display=False) as counter:
+            loss.backward()
+        results.append(
+            (counter.get_total_flops(), {n: p.grad for n, p in model.named_parameters()})
+        )
+    (flops0, grads0), (flops, grads) = results
+
+    if mode == "full":
+        assert flops > flops0, "the recompute's matmuls are counted"
+    else:  # the counter counts matmuls and attention, which selective mode keeps: none replays
+        assert flops == flops0
+    differ = [
+        name
+        for name, g0 in grads0.items()
+        if (g0 is None) != (grads[name] is None)
+        or (g0 is not None and not torch.equal(g0, grads[name]))
+    ]
+    assert not differ, f"{case.name} mode={mode}: gradients differ for {differ}"
 
 
 def test_held_bytes_order_full_below_selective_below_none(reference, record_property):
