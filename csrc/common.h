@@ -55,6 +55,23 @@ void dispatch_floating(ScalarType dtype, const char* what, F&& f) {
   }
 }
 
+// sum_{i < n} term(i) over 16 fixed partial sums, added pairwise at the end: the loop vectorises
+// and the order (so the result) is the same whatever the ISA the build targets.
+template <typename acc, typename F>
+inline acc lane_sum(int64_t n, F&& term) {
+  constexpr int kLanes = 16;
+  acc lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int j = 0; j < kLanes; ++j) lanes[j] += term(i + j);
+  }
+  for (int j = 0; i < n; ++i, ++j) lanes[j] += term(i);
+  for (int width = kLanes / 2; width > 0; width /= 2) {
+    for (int j = 0; j < width; ++j) lanes[j] += lanes[j + width];
+  }
+  return lanes[0];
+}
+
 inline void check_contiguous(const Tensor& t, const char* what) {
   STD_TORCH_CHECK(t.is_contiguous(), what, " must be contiguous (call .contiguous())");
 }

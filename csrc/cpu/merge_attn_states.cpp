@@ -102,17 +102,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> merge_attn_states_backward(
           acc lse, wa, wb;
           weights(la[i], lb[i], &lse, &wa, &wb);
           const int64_t row = (t * heads + h) * dim;
-          acc dot_a = 0, dot_b = 0;
           for (int64_t d = 0; d < dim; ++d) {
             const acc gd = static_cast<acc>(g[row + d]);
-            const acc a = static_cast<acc>(oa[row + d]);
-            const acc b = static_cast<acc>(ob[row + d]);
-            const acc merged = wa * a + wb * b;
-            dot_a += gd * (a - merged);
-            dot_b += gd * (b - merged);
             goa[row + d] = static_cast<scalar_t>(gd * wa);
             gob[row + d] = static_cast<scalar_t>(gd * wb);
           }
+          // <g, out_x - out> with out the unrounded merge
+          const auto dot = [&](const scalar_t* x) {
+            return lane_sum<acc>(dim, [&](int64_t d) {
+              const acc a = static_cast<acc>(oa[row + d]), b = static_cast<acc>(ob[row + d]);
+              return static_cast<acc>(g[row + d]) * (static_cast<acc>(x[row + d]) - (wa * a + wb * b));
+            });
+          };
+          const acc dot_a = dot(oa), dot_b = dot(ob);
           const acc g_lse = gl == nullptr ? acc(0) : gl[i];
           gla[i] = wa * (dot_a + g_lse);
           glb[i] = wb * (dot_b + g_lse);

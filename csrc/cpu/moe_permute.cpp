@@ -240,12 +240,9 @@ std::tuple<Tensor, Tensor> moe_unpermute_backward(Tensor grad_out, Tensor y_sort
           const acc wk = static_cast<acc>(w[t * top_k + k]);
           const scalar_t* yr = y + r * dim;
           scalar_t* gr = gy + r * dim;
-          acc dot = 0;
-          for (int64_t d = 0; d < dim; ++d) {
-            const acc gd = static_cast<acc>(gt[d]);
-            gr[d] = static_cast<scalar_t>(wk * gd);
-            dot += gd * static_cast<acc>(yr[d]);
-          }
+          for (int64_t d = 0; d < dim; ++d) gr[d] = static_cast<scalar_t>(wk * static_cast<acc>(gt[d]));
+          const acc dot = lane_sum<acc>(
+              dim, [&](int64_t d) { return static_cast<acc>(gt[d]) * static_cast<acc>(yr[d]); });
           gw[t * top_k + k] = static_cast<weight_t>(dot);
         }
       }
