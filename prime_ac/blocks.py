@@ -266,31 +266,7 @@ def find_blocks(
         prime_ac.find_blocks(flux, ["transformer_blocks", "single_transformer_blocks"])
     """
     if blocks is None:
-        if _is_stack(model):
-            return [_named_children(model, "")]
-        stacks = list(_walk(model, "", lambda _, m: _is_stack(m)))
-        if not stacks:
-            raise ValueError(
-                f"checkpoint_blocks found no stack of blocks in {type(model).__name__}: no "
-                "ModuleList, ModuleDict or Sequential whose children all have submodules. "
-                f"Containers seen: {_containers(model)}. Pass blocks= to say where they are, e.g. "
-                "blocks='model.layers', blocks=['double_blocks', 'single_blocks'], or "
-                "blocks=lambda name, module: isinstance(module, MyBlock)."
-            )
-        # a stack whose blocks all live inside other stacks' blocks holds shared layers (Zamba2's
-        # shared attention, registered once more on its own): those blocks are the real ones
-        inside = {
-            id(m)
-            for _, stack in stacks
-            for block in stack.children()
-            for m in block.modules()
-            if m is not block
-        }
-        return [
-            _named_children(stack, path)
-            for path, stack in stacks
-            if not all(id(block) in inside for block in stack.children())
-        ]
+        return _discover(model)
     if callable(blocks) and not isinstance(blocks, str):
         group = list(_walk(model, "", blocks))
         if not group:
@@ -316,6 +292,59 @@ def find_blocks(
             "checkpointing."
         )
     return [_container_group(model, path) for path in paths]
+
+
+def _discover(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
+    """The rule of docs/checkpointing.md, "Discovery"."""
+    if _is_stack(model):
+        return [_named_children(model, "")]
+    stacks = list(_walk(model, "", lambda _, m: _is_stack(m)))
+    if not stacks:
+        raise ValueError(
+            f"checkpoint_blocks found no stack of blocks in {type(model).__name__}: no "
+            "ModuleList, ModuleDict or Sequential whose children all have submodules. "
+            f"Containers seen: {_containers(model)}. Pass blocks= to say where they are, e.g. "
+            "blocks='model.layers', blocks=['double_blocks', 'single_blocks'], or "
+            "blocks=lambda name, module: isinstance(module, MyBlock)."
+        )
+    # a stack whose blocks all live inside other stacks' blocks holds shared layers (Zamba2's
+    # shared attention, registered once more on its own): those blocks are the real ones
+    inside = {
+        id(m)
+        for _, stack in stacks
+        for block in stack.children()
+        for m in block.modules()
+        if m is not block
+    }
+    stacks = [
+        (path, stack)
+        for path, stack in stacks
+        if not all(id(block) in inside for block in stack.children())
+    ]
+    # Stacks inside two or more children of one container that is not a stack itself (blocks
+    # mixed with an embedding in one Sequential): those children may be the blocks, and the
+    # stacks their expert lists. Undecidable from structure alone.
+    owners: dict[str, set[str]] = {}
+    for path, _ in stacks:
+        parts = path.split(".")
+        for depth in range(len(parts) - 1, -1, -1):  # the stack's ancestors, nearest first
+            parent = ".".join(parts[:depth])
+            if isinstance(model.get_submodule(parent), _CONTAINERS):
+                owners.setdefault(parent, set()).add(".".join(parts[: depth + 1]))
+                break
+    ambiguous = {parent: names for parent, names in owners.items() if len(names) > 1}
+    if ambiguous:
+        parent, names = next(iter(ambiguous.items()))
+        container = model.get_submodule(parent)
+        raise ValueError(
+            f"checkpoint_blocks cannot tell which modules are the blocks of "
+            f"{type(model).__name__}: {parent or '<root>'} ({type(container).__name__}) is not "
+            f"a stack (some of its children are leaf modules), and its children {sorted(names)} "
+            f"each hold a stack of their own ({', '.join(p for p, _ in stacks)}). Pass blocks=: "
+            f"the children themselves, e.g. blocks=lambda name, module: isinstance(module, "
+            f"{type(model.get_submodule(min(names))).__name__}), or the inner stacks by path."
+        )
+    return [_named_children(stack, path) for path, stack in stacks]
 
 
 def _container_group(model: nn.Module, path: Any) -> list[tuple[str, nn.Module]]:

@@ -302,3 +302,17 @@ def test_a_mixed_stack_trains_bitwise_equal(mode):
     assert prime_ac.checkpoint_blocks(model, mode=mode) == names("layers", 3)
     model(x).backward()
     assert_bitwise_equal(grads(model), grads(reference))
+
+
+def test_blocks_mixed_with_leaves_in_one_container_are_undecidable():
+    # the blocks are not in a stack of their own: the only stacks are the experts inside them
+    model = nn.Sequential(nn.Embedding(10, 4), MoEDecoder(), MoEDecoder(), lin())
+    with pytest.raises(ValueError) as info:
+        prime_ac.checkpoint_blocks(model)
+    message = str(info.value)
+    assert "cannot tell which modules are the blocks" in message
+    assert "['1', '2']" in message and "1.mlp.experts, 2.mlp.experts" in message
+    assert "isinstance(module, MoEDecoder)" in message
+    assert not any(type(m).__name__.startswith("Checkpointed") for m in model.modules())
+    names = prime_ac.checkpoint_blocks(model, blocks=lambda n, m: isinstance(m, MoEDecoder))
+    assert names == ["1", "2"]
