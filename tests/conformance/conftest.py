@@ -1,4 +1,4 @@
-"""Shared set-up of the conformance suite: quiet libraries, cheap steps, a table of held bytes.
+"""Shared set-up of the conformance suite: quiet libraries, a frozen heap, a table of held bytes.
 
 The suite's test modules skip themselves when ``transformers`` or ``diffusers`` is missing
 (install the ``conformance`` extra).
@@ -9,7 +9,6 @@ from __future__ import annotations
 import gc
 
 import pytest
-import torch
 from real_models import HELD_RATIOS
 
 try:
@@ -23,20 +22,13 @@ else:
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _cheap_steps():
-    """One intra-op thread and a frozen heap while this suite's modules run.
-
-    Tiny shapes gain nothing from threads, and on a busy 2-core machine their spin-waits cost
-    ~100x the work itself. prime_ac.audit runs gc.collect() per measured step, which after the
-    transformers and diffusers imports walks about a million long-lived objects; frozen, they
-    are skipped (~10x cheaper). Both are restored afterwards for the rest of the test session.
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _frozen_heap():
+    """prime_ac.audit runs gc.collect() per measured step, which after the transformers and
+    diffusers imports walks about a million long-lived objects; frozen while this suite runs,
+    they are skipped (~10x cheaper). tests/conftest.py already keeps torch to one thread."""
     gc.freeze()
     yield
     gc.unfreeze()
-    torch.set_num_threads(threads)
 
 
 _ratios: dict[str, dict[str, float]] = {}
