@@ -27,6 +27,7 @@ __all__ = [
     "OpOverload",
     "TorchDispatchMode",
     "detach",
+    "is_tracing",
     "redirect_hops",
     "sac_context",
     "schema_is_mutable",
@@ -68,6 +69,27 @@ class DispatchMode(TorchDispatchMode):
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True
+
+
+_MODE_KEYS = getattr(torch._C, "_TorchDispatchModeKey", None)
+_TRACING_MODE_KEYS = tuple(
+    key
+    for key in (getattr(_MODE_KEYS, "PROXY", None), getattr(_MODE_KEYS, "FUNCTIONAL", None))
+    if key is not None
+)
+
+
+def is_tracing() -> bool:
+    """True while torch.compile (AOTAutograd) or export traces a checkpointed region.
+
+    ``torch.compiler.is_compiling()`` says so from torch 2.10 on; torch 2.9 calls a region's
+    ``context_fn`` during AOTAutograd tracing with it False, so the proxy and functional
+    infra modes (``torch._C._get_dispatch_mode``, 2.1-2.14) are checked too: what torch's own
+    SAC mode checks. Public replacement: ``torch.compiler.is_compiling()`` once 2.9 is dropped.
+    """
+    if torch.compiler.is_compiling():
+        return True
+    return any(torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODE_KEYS)
 
 
 # Operators torch's own selective checkpointing lets through uncounted (detach, which autograd

@@ -29,6 +29,7 @@ same policy, so compiled and eager decisions are the same and nothing runs per o
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -44,6 +45,7 @@ from prime_ac.policy import (
     HOST_SYNC,
     KEPT,
     MANDATORY,
+    SCOPED,
     Mode,
     OperatorPolicy,
     make_policy,
@@ -79,8 +81,10 @@ KEEP_WRITE = 4  # kept and writes an argument (mandatory side effects)
 SYNC = 5  # kept when the call reads a device tensor into host memory
 PLANNED = 6  # replayed except the calls a budget plan keeps (by call index)
 CALL = 7  # a user policy callable decides per call
+SCOPE = 8  # kept where the call's module scope or tag says so (prime_ac.scopes)
 
 _set_eval_frame = _compat.set_eval_frame
+_PREFER_RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
 _SAVES = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE, True)
 _CONSUMED = object()
 _MISSING = object()
@@ -127,6 +131,8 @@ class Rules:
             return KEEP_WRITE if writes else KEEP
         if decision == HOST_SYNC:
             return SYNC
+        if decision == SCOPED:
+            return SCOPE
         if op in self.plan and not writes:
             return PLANNED
         return WRITE if writes else RUN
@@ -310,6 +316,9 @@ class KeepMode(_compat.DispatchMode):
         if action == PLANNED:
             if index not in self.rules.plan[func]:
                 return out
+        elif action == SCOPE:
+            if not self.rules.policy.scoped.keeps_here(func, args):
+                return out
         elif action == CALL:
             decision = self.rules.policy(_compat.sac_context(out), func, *args, **kwargs)
             if decision not in _SAVES:
@@ -380,6 +389,13 @@ class ReplayMode(_compat.DispatchMode):
         return cache.take(func, index, entry)
 
 
+def _must_recompute(policy: OperatorPolicy, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    # Eager replays every operator it does not keep; MUST_RECOMPUTE makes the partitioner do the
+    # same (with PREFER_RECOMPUTE, torch 2.9's min-cut partitioner saves some instead).
+    decision = policy(ctx, op, *args, **kwargs)
+    return CheckpointPolicy.MUST_RECOMPUTE if decision is _PREFER_RECOMPUTE else decision
+
+
 def checkpoint_contexts(
     rules: Rules, name: str, *, modes: tuple[type, type] = (KeepMode, ReplayMode)
 ) -> Callable[[], tuple[Any, Any]]:
@@ -390,9 +406,13 @@ def checkpoint_contexts(
     """
     keep_mode, replay_mode = modes
 
+    compiled_policy = rules.policy
+    if isinstance(rules.policy, OperatorPolicy):
+        compiled_policy = functools.partial(_must_recompute, rules.policy)
+
     def contexts() -> tuple[Any, Any]:
-        if torch.compiler.is_compiling():
-            return create_selective_checkpoint_contexts(rules.policy)
+        if _compat.is_tracing():
+            return create_selective_checkpoint_contexts(compiled_policy)
         cache = RegionCache(name)
         return keep_mode(cache, rules), replay_mode(cache, rules)
 
