@@ -194,6 +194,40 @@ def _hunyuan_video_batch() -> dict[str, Any]:
     }
 
 
+def _hidream() -> nn.Module:
+    from diffusers import HiDreamImageTransformer2DModel
+
+    torch.manual_seed(0)
+    return HiDreamImageTransformer2DModel(
+        patch_size=2,
+        in_channels=4,
+        out_channels=4,
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        caption_channels=[8, 4],
+        text_emb_dim=8,
+        num_routed_experts=4,
+        num_activated_experts=2,
+        axes_dims_rope=(4, 2, 2),
+        max_resolution=(16, 16),
+        llama_layers=(0, 1, 0, 1),
+    ).train()
+
+
+def _hidream_batch() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "hidden_states": torch.randn(BATCH, 4, 8, 8, generator=g),
+        "timesteps": torch.tensor([10, 500]),
+        "encoder_hidden_states_t5": torch.randn(BATCH, 6, 8, generator=g),
+        "encoder_hidden_states_llama3": torch.randn(2, BATCH, 6, 4, generator=g),  # 2 LLM layers
+        "pooled_embeds": torch.randn(BATCH, 8, generator=g),
+        "return_dict": False,
+    }
+
+
 CASES = [
     # dense decoder LMs
     Case(
@@ -422,6 +456,14 @@ CASES = [
         _hunyuan_video_batch,
         ("context_embedder.token_refiner.refiner_blocks.0", "transformer_blocks.0")
         + _names("single_transformer_blocks", 2),
+    ),
+    # HiDream-I1: double/single-stream blocks with MoE feed-forwards whose experts sit in a
+    # ModuleList, next to a ModuleList of per-layer caption projections (not blocks)
+    Case(
+        "hidream",
+        _hidream,
+        _hidream_batch,
+        _names("double_stream_blocks", 2) + _names("single_stream_blocks", 2),
     ),
 ]
 
