@@ -11,6 +11,7 @@ from prime_ac.checkpoint import checkpoint_blocks
 from prime_ac.config import ACConfig
 from prime_ac.contexts import KeptOutputMutatedError, ReplayMismatchError, context_fn
 from prime_ac.policy import MODES, OperatorPolicy, make_policy
+from prime_ac.scopes import tag
 from prime_ac.targets import DEFAULT_TARGETS, HOST_SYNC_TARGETS, MANDATORY_TARGETS, Target
 
 __all__ = [
@@ -29,5 +30,6 @@ __all__ = [
     "context_fn",
     "find_blocks",
     "make_policy",
+    "tag",
     "unwrap_blocks",
 ]

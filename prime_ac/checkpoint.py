@@ -31,6 +31,7 @@ from prime_ac.budget import budget_context_fn, plan_budget
 from prime_ac.config import ACConfig
 from prime_ac.contexts import context_fn
 from prime_ac.policy import make_policy
+from prime_ac.scopes import scope_problems, split_targets, untrack
 from prime_ac.targets import TargetSet
 
 __all__ = ["checkpoint_blocks"]
@@ -90,7 +91,9 @@ def checkpoint_blocks(
     )
     named = config.targets if config.mode == "selective" and not auto else None
     _report(
-        TargetSet(named or ()).problems() + TargetSet(mandatory).problems(mandatory=True), strict
+        TargetSet(split_targets(named or ())[0]).problems()
+        + TargetSet(mandatory).problems(mandatory=True),
+        strict,
     )
 
     selected = [
@@ -100,6 +103,8 @@ def checkpoint_blocks(
         if index % config.freq == 0
     ]
     _check_not_nested(selected)
+    if policy.scoped is not None:
+        _report(scope_problems(policy.scoped.targets, [block for _, block in selected]), strict)
     if auto and isinstance(config.budget, Mapping):
         _check_budget_names(config.budget, [name for name, _ in selected])
 
@@ -129,7 +134,18 @@ def checkpoint_blocks(
                     plan=plans[name],
                 )
                 wrap_block(block, state)
+        _install_scope_hooks(model, policy)
     return [name for name, _ in selected]
+
+
+def _install_scope_hooks(model: nn.Module, policy: Any) -> None:
+    """Scope hooks on the wrapped blocks only when the policy has scoped targets, so a model
+    without any pays nothing; hooks of an earlier configuration go."""
+    scoped = policy.scoped if policy.scoped is not None and policy.scoped.needs_scope else None
+    for module in model.modules():
+        untrack(module)
+    for _, block in wrapped_blocks(model) if scoped is not None else ():
+        scoped.tracker.track(block)
 
 
 def _settings(config: Any, **explicit: Any) -> ACConfig:

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from prime_ac.targets import Target
+from prime_ac.scopes import parse_target
 
 __all__ = ["ACConfig", "check_budget"]
 
@@ -65,7 +65,7 @@ class ACConfig:
                     "e.g. ['aten::mm', 'prime_rl_attn'], or omitted for the defaults"
                 )
             for target in self.targets:
-                Target.parse(target)
+                parse_target(target)
             if self.mode == "full":
                 raise ValueError(
                     f"targets={list(self.targets)!r} has no effect with mode='full', which keeps "

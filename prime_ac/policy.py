@@ -12,7 +12,8 @@ from typing import Any, Literal
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from prime_ac._compat import schema_is_mutable
+from prime_ac._compat import is_tracing, schema_is_mutable
+from prime_ac.scopes import ScopeRules, split_targets
 from prime_ac.targets import (
     DEFAULT_TARGETS,
     HOST_SYNC_TARGETS,
@@ -26,8 +27,10 @@ __all__ = ["MODES", "OperatorPolicy", "make_policy", "reads_device_into_host"]
 Mode = Literal["full", "selective"]
 MODES: tuple[str, ...] = ("full", "selective")
 
-# Decisions, as the policy classifies an operator. HOST_SYNC depends on the call's devices.
+# Decisions, as the policy classifies an operator. HOST_SYNC depends on the call's devices,
+# SCOPED on the call's module scope or tag (prime_ac.scopes).
 MANDATORY, KEPT, REPLAYED, HOST_SYNC = "mandatory", "kept", "replayed", "host_sync"
+SCOPED = "scoped"
 
 _SAVE = CheckpointPolicy.MUST_SAVE
 _RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
@@ -44,10 +47,17 @@ class OperatorPolicy:
     result would skip the write on recompute); everything else is PREFER_RECOMPUTE.
     """
 
-    def __init__(self, mode: Mode, targets: TargetSet, mandatory: TargetSet):
+    def __init__(
+        self,
+        mode: Mode,
+        targets: TargetSet,
+        mandatory: TargetSet,
+        scoped: ScopeRules | None = None,
+    ):
         self.mode = mode
         self.targets = targets
         self.mandatory = mandatory
+        self.scoped = scoped  # scoped, forced-replay and tag targets, if any
         self._decisions: dict[Any, str] = {}
 
     def classify(self, op: Any) -> str:
@@ -62,8 +72,11 @@ class OperatorPolicy:
         if self.mandatory.matches(key):
             return MANDATORY
         mutates = schema_is_mutable(op)
-        if self.mode == "selective" and not mutates and self.targets.matches(key):
-            return KEPT
+        if self.mode == "selective" and not mutates:
+            if self.scoped is not None and self.scoped.involves(key):
+                return SCOPED
+            if self.targets.matches(key):
+                return KEPT
         if key[:2] in _HOST_SYNC_OPS:
             return HOST_SYNC
         return REPLAYED
@@ -74,11 +87,16 @@ class OperatorPolicy:
             return _RECOMPUTE
         if decision is HOST_SYNC:
             return _SAVE if reads_device_into_host(op, args, kwargs) else _RECOMPUTE
+        if decision is SCOPED:
+            tracker = self.scoped.tracker
+            scope = tracker.compiled() if is_tracing() else tracker.current()
+            return _SAVE if self.scoped.keeps(op, args, scope) else _RECOMPUTE
         return _SAVE
 
     def __repr__(self) -> str:
         return (
-            f"OperatorPolicy(mode={self.mode!r}, targets={list(self.targets)!r}, "
+            f"OperatorPolicy(mode={self.mode!r}, "
+            f"targets={[*self.targets, *(self.scoped or ())]!r}, "
             f"mandatory={list(self.mandatory)!r})"
         )
 
@@ -103,10 +121,14 @@ def make_policy(
 
     ``targets=None`` keeps :data:`DEFAULT_TARGETS` (selective mode); a list replaces them; ``[]``
     keeps only the mandatory set. ``mandatory`` adds to :data:`MANDATORY_TARGETS`; it cannot
-    remove from it. Full mode ignores ``targets`` and keeps only the mandatory set.
+    remove from it. Full mode ignores ``targets`` and keeps only the mandatory set. Scoped,
+    forced-replay and tag targets (``"attention/aten::mm"``, ``"!feed_forward/aten::mm"``,
+    ``"tag:attn_out"``) are decided per call (:mod:`prime_ac.scopes`).
     """
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is not a checkpoint mode: use one of {list(MODES)}")
-    target_set = TargetSet(DEFAULT_TARGETS if targets is None else targets)
+    plain, scoped = split_targets(DEFAULT_TARGETS if targets is None else targets)
+    target_set = TargetSet(plain)
     mandatory_set = TargetSet((*MANDATORY_TARGETS, *TargetSet(mandatory)))
-    return OperatorPolicy(mode, target_set, mandatory_set)
+    rules = ScopeRules(scoped, target_set) if scoped and mode == "selective" else None
+    return OperatorPolicy(mode, target_set, mandatory_set, rules)

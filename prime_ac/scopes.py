@@ -1,0 +1,368 @@
+"""Scoped targets and tags: which call of an operator to keep, not every call of it.
+
+A plain target (``"aten::mm"``) names an operator everywhere in a block. Three more forms name
+some of its calls (the grammar is in docs/checkpointing.md, "Scoped targets and tags"):
+
+- ``"<scope>/<target>"`` keeps the calls made inside a submodule of the block whose path,
+  relative to the block, ends with ``<scope>`` (dotted, ``*`` is one segment):
+  ``"attention/aten::mm"``, ``"feed_forward.w1/aten::mm"``, ``"experts.*.w2/aten::mm"``;
+- ``"!<scope>/<target>"`` forces those calls to replay;
+- ``"tag:<name>"`` keeps the tensors model code marked with :func:`tag` (and
+  ``"<scope>/tag:<name>"``, ``"!<scope>/tag:<name>"`` likewise).
+
+``/``, ``!`` and ``tag:`` never occur in the ``ns::op.overload`` grammar, so every string has
+one reading. Precedence: mandatory > forced replay > scoped keep > unscoped keep.
+
+The scope comes from forward hooks on the wrapped blocks' submodules, installed only for a
+policy with scoped targets (:class:`ScopeTracker`); the per-call decision is then a dictionary
+lookup keyed by ``(operator, scope)``. Under torch.compile the policy reads the scope from the
+traced node's module stack instead, so both see the same module and decide the same.
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from prime_ac.targets import Target, TargetSet, operator_key
+
+__all__ = [
+    "TAG_OP",
+    "ScopeRules",
+    "ScopeTracker",
+    "ScopedTarget",
+    "parse_target",
+    "scope_problems",
+    "split_targets",
+    "tag",
+    "untrack",
+]
+
+_SEGMENT = r"(?:[A-Za-z0-9_\-]+|\*)"
+_SCOPE = re.compile(rf"{_SEGMENT}(?:\.{_SEGMENT})*")
+_TAG = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
+_SCOPED_FORMS = (
+    "'<scope>/<target>' (keep), '!<scope>/<target>' (force replay) or 'tag:<name>', where "
+    "<scope> is a dotted submodule path relative to the block ('attention', "
+    "'feed_forward.w1', '*' for one segment) and <target> an operator target or 'tag:<name>' "
+    "(e.g. 'attention/aten::mm', '!feed_forward.w1/aten::mm', 'tag:attn_out')"
+)
+
+
+# --- grammar ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ScopedTarget:
+    """A target that names some calls: by module scope, as a forced replay, or by tag."""
+
+    operator: Target | None  # None for a tag
+    tag: str | None = None
+    scope: tuple[str, ...] = ()  # () = anywhere in the block
+    replay: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> ScopedTarget:
+        body = text[1:] if text.startswith("!") else text
+        scope: tuple[str, ...] = ()
+        if "/" in body:
+            prefix, _, body = body.partition("/")
+            if not _SCOPE.fullmatch(prefix) or "/" in body:
+                raise ValueError(
+                    f"invalid scoped target {text!r}: the scope {prefix!r} must be a dotted "
+                    f"submodule path; expected {_SCOPED_FORMS}"
+                )
+            scope = tuple(prefix.split("."))
+        elif text.startswith("!"):
+            raise ValueError(
+                f"invalid target {text!r}: '!' forces replay inside a scope, and an operator left "
+                f"out of targets already replays everywhere: write '!<scope>/{body}', e.g. "
+                f"'!feed_forward/{body}'"
+            )
+        if body.startswith("tag:"):
+            name = body[4:]
+            if not _TAG.fullmatch(name):
+                raise ValueError(
+                    f"invalid tag target {text!r}: the tag name {name!r} must be an identifier "
+                    "(letters, digits, '_', '.', '-'), as given to prime_ac.tag(tensor, name)"
+                )
+            return cls(None, name, scope, text.startswith("!"))
+        try:
+            operator = Target.parse(body)
+        except ValueError as error:
+            raise ValueError(f"invalid scoped target {text!r}: {error}") from None
+        return cls(operator, None, scope, text.startswith("!"))
+
+    def __str__(self) -> str:
+        what = f"tag:{self.tag}" if self.operator is None else str(self.operator)
+        where = ".".join(self.scope) + "/" if self.scope else ""
+        return ("!" if self.replay else "") + where + what
+
+    def names(self, key: tuple[str, str, str | None], tag_name: str | None) -> bool:
+        """Whether this target names operator ``key`` (or the tag ``tag_name``), scope aside."""
+        if self.operator is None:
+            return tag_name is not None and tag_name == self.tag
+        t = self.operator
+        return (
+            key[0] == t.namespace
+            and (t.op is None or key[1] == t.op)
+            and (t.overload is None or key[2] == t.overload)
+        )
+
+    def within(self, path: tuple[str, ...]) -> bool:
+        """Whether a call in the submodule at ``path`` (relative to the block) is in scope:
+        some module enclosing it has a path ending with the scope, i.e. the scope's segments
+        occur consecutively in ``path``."""
+        n = len(self.scope)
+        if n == 0:
+            return True
+        return any(
+            all(p in ("*", s) for p, s in zip(self.scope, path[start : start + n], strict=True))
+            for start in range(len(path) - n + 1)
+        )
+
+
+def parse_target(text: Any) -> Target | ScopedTarget:
+    """A plain :class:`~prime_ac.targets.Target`, or a :class:`ScopedTarget` for the forms that
+    contain ``/``, ``!`` or ``tag:``."""
+    if isinstance(text, str) and ("/" in text or text.startswith(("!", "tag:"))):
+        return ScopedTarget.parse(text)
+    return Target.parse(text)
+
+
+def split_targets(texts: Iterable[str]) -> tuple[list[str], list[ScopedTarget]]:
+    """``(plain target strings, scoped targets)``, every string validated."""
+    if isinstance(texts, str):
+        TargetSet(texts)  # raises the error that says to write a list
+    plain, scoped = [], []
+    for text in texts:
+        parsed = parse_target(text)
+        if isinstance(parsed, ScopedTarget):
+            scoped.append(parsed)
+        else:
+            plain.append(text)
+    return plain, scoped
+
+
+# --- tags ---------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("prime_ac::tag", mutates_args=())
+def _tag_op(x: torch.Tensor, name: str) -> torch.Tensor:
+    """A copy of ``x`` that the checkpoint policy sees as a call named ``name``."""
+    return x.clone()
+
+
+@_tag_op.register_fake
+def _(x: torch.Tensor, name: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+_tag_op.register_autograd(lambda ctx, grad: (grad, None))
+
+TAG_OP = torch.ops.prime_ac.tag.default
+
+# The tag names some policy keeps or replays. Global because ``tag`` is called from model code,
+# which holds no policy, and because torch.compile must guard on it: a frozenset read as a
+# global is a guarded constant, so compiled code recompiles when a new policy adds names.
+_tagged: frozenset[str] = frozenset()
+
+
+def tag(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """Mark ``tensor`` so that a ``"tag:<name>"`` target keeps it (or ``"!…/tag:<name>"``
+    replays it).
+
+    Returns ``tensor`` itself while no policy names the tag (a set lookup, no dispatch), so model
+    code can tag freely. Once a policy names it, returns a copy made by the operator
+    ``prime_ac::tag``, which the policy keeps or replays like any operator call, in eager and
+    compiled code alike; its gradient passes through unchanged.
+
+    Example::
+
+        out = prime_ac.tag(self.wo(attn), "attn_out")
+        prime_ac.checkpoint_blocks(model, mode="selective", targets=["tag:attn_out"])
+    """
+    if name not in _tagged:
+        return tensor
+    return _tag_op(tensor, name)
+
+
+def _name_tags(scoped: Iterable[ScopedTarget]) -> None:
+    global _tagged
+    names = {t.tag for t in scoped if t.tag is not None}
+    if not names <= _tagged:
+        _tagged = _tagged | names
+
+
+# --- scope tracking ------------------------------------------------------------------------------
+
+
+class ScopeTracker:
+    """The submodule path the running operator is in, from forward hooks on the blocks.
+
+    Paths are relative to their block and interned as small ints (``0`` is the block itself), so
+    that a decision can be cached per ``(operator, scope id)``. Blocks of the same structure share
+    ids. One tracker per policy; the stack is the module nesting of the forward (or recompute)
+    running now.
+    """
+
+    def __init__(self) -> None:
+        self.stack: list[int] = []
+        self.paths: list[tuple[str, ...]] = [()]
+        self._ids: dict[tuple[str, ...], int] = {(): 0}
+        # str(id(module)) -> scope id: how compiled code's module stack names a module
+        self._modules: dict[str, int] = {}
+        self._handles: weakref.WeakKeyDictionary[nn.Module, tuple[list, list]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def scope_id(self, path: tuple[str, ...]) -> int:
+        sid = self._ids.get(path)
+        if sid is None:
+            sid = self._ids[path] = len(self.paths)
+            self.paths.append(path)
+        return sid
+
+    def current(self) -> int:
+        """The scope id of the operator running now (eager)."""
+        return self.stack[-1] if self.stack else 0
+
+    def compiled(self) -> int:
+        """The scope id of the node being traced (torch.compile): dynamo records each node's
+        enclosing modules in ``nn_module_stack``, keyed by ``str(id(module))`` (torch 2.4+)."""
+        from torch.fx.traceback import get_current_meta
+
+        stack = (get_current_meta() or {}).get("nn_module_stack") or {}
+        for key in reversed(list(stack)):
+            sid = self._modules.get(key)
+            if sid is not None:
+                return sid
+        return 0
+
+    def track(self, block: nn.Module) -> None:
+        """Install the hooks on ``block``'s submodules (once)."""
+        if block in self._handles:
+            return
+        handles, keys = [], []
+        for name, module in block.named_modules():
+            if module is block:
+                continue
+            sid = self.scope_id(tuple(name.split(".")))
+            keys.append(str(id(module)))
+            self._modules[keys[-1]] = sid
+            handles.append(module.register_forward_pre_hook(self._enter(sid)))
+            handles.append(module.register_forward_hook(self._exit, always_call=True))
+        self._handles[block] = (handles, keys)
+
+    def untrack(self, block: nn.Module) -> None:
+        handles, keys = self._handles.pop(block, ((), ()))
+        for handle in handles:
+            handle.remove()
+        for key in keys:
+            self._modules.pop(key, None)
+
+    def _enter(self, sid: int):
+        push = self.stack.append
+
+        def enter(module: nn.Module, args: Any) -> None:
+            push(sid)
+
+        return enter
+
+    def _exit(self, module: nn.Module, args: Any, out: Any) -> None:
+        self.stack.pop()
+
+
+# Every tracker that may hold hooks, so that re-configuring or unwrapping a block removes the
+# hooks of the policy it had before (the block's settings hold that policy, but a block swapped
+# by another wrapper may have lost them). Weak: a tracker dies with its policy.
+_trackers: weakref.WeakSet[ScopeTracker] = weakref.WeakSet()
+
+
+def untrack(block: nn.Module) -> None:
+    """Remove every scope hook prime_ac installed on ``block``."""
+    for tracker in list(_trackers):
+        tracker.untrack(block)
+
+
+# --- decisions ----------------------------------------------------------------------------------
+
+
+class ScopeRules:
+    """The scoped, forced-replay and tag targets of one policy, and their per-call decisions.
+
+    ``plain`` is the policy's unscoped targets: a call that no scoped target decides falls back to
+    them (lowest precedence).
+    """
+
+    def __init__(self, scoped: Iterable[ScopedTarget], plain: TargetSet):
+        self.targets = tuple(scoped)
+        self.plain = plain
+        self.needs_scope = any(t.scope for t in self.targets)
+        self.tracker = ScopeTracker()
+        _trackers.add(self.tracker)
+        self._decisions: dict[tuple[Any, Any, int], bool] = {}
+        _name_tags(self.targets)
+
+    def involves(self, key: tuple[str, str, str | None]) -> bool:
+        """Whether calls of operator ``key`` are decided per call (scope or tag)."""
+        if key == ("prime_ac", "tag", "default"):
+            return any(t.operator is None for t in self.targets)
+        return any(t.operator is not None and t.names(key, None) for t in self.targets)
+
+    def keeps(self, op: Any, args: tuple, sid: int) -> bool:
+        """Whether the call of ``op`` with ``args`` in scope ``sid`` is kept: a dict lookup once
+        the (operator, tag, scope) was seen."""
+        name = args[1] if op is TAG_OP else None
+        key = (op, name, sid)
+        decision = self._decisions.get(key)
+        if decision is None:
+            path = self.tracker.paths[sid]
+            decision = self._decisions[key] = self.decide(operator_key(op), path, name)
+        return decision
+
+    def keeps_here(self, op: Any, args: tuple) -> bool:
+        """:meth:`keeps` in the scope the eager forward or recompute is in now."""
+        stack = self.tracker.stack
+        return self.keeps(op, args, stack[-1] if stack else 0)
+
+    def decide(
+        self, key: tuple[str, str, str | None], path: tuple[str, ...], tag_name: str | None = None
+    ) -> bool:
+        """Keep a call of operator ``key`` (or of the tag ``tag_name``) in the submodule at
+        ``path``? Forced replay beats any keep; otherwise any matching target keeps it."""
+        named = [t for t in self.targets if t.names(key, tag_name) and t.within(path)]
+        if any(t.replay for t in named):
+            return False
+        return bool(named) or (tag_name is None and self.plain.matches(key))
+
+    def __iter__(self):
+        return iter(str(t) for t in self.targets)
+
+
+def scope_problems(
+    scoped: Iterable[ScopedTarget], blocks: Iterable[nn.Module]
+) -> list[tuple[str, str]]:
+    """``(target, reason)`` for each scoped target whose scope matches no submodule of any of
+    ``blocks``, or whose operator no dispatch mode can see (like an unknown operator)."""
+    paths = {
+        tuple(name.split("."))
+        for block in blocks
+        for name, module in block.named_modules()
+        if module is not block
+    }
+    problems = []
+    for target in scoped:
+        if target.scope and not any(target.within(p) for p in paths):
+            problems.append((str(target), "names a scope that matches no submodule of a block"))
+        elif target.operator is not None:
+            reason = target.operator.problem()
+            if reason is not None:
+                problems.append((str(target), reason))
+    return problems
