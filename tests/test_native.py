@@ -357,15 +357,17 @@ def test_quantize_rounds_like_torch_on_every_fp8_step():
     assert torch.equal(q.view(torch.uint8), x.to(torch.float8_e4m3fn).view(torch.uint8))
 
 
-def test_quantize_equals_prime_ops_fp8_recipe(gen):
+@pytest.mark.parametrize("scale_format", ["fp32", "ue8m0"])
+def test_quantize_equals_prime_ops_fp8_recipe(gen, scale_format):
     """Bitwise what prime_ops.fp8.quantize_blockwise (the GEMM ops' chain) produces."""
     from prime_ops.fp8 import quantize_blockwise
 
     for block_rows in (1, 128):
-        x = torch.randn(130, 260, generator=gen, dtype=torch.bfloat16)
-        x[3, 7] = float("nan")  # NaN blocks: NaN scale, NaN codes
-        q, s = native.quantize_fp8_blockwise(x, block_rows)
-        want_q, want_s = quantize_blockwise(x, block_rows)
+        x = torch.randn(130, 260, generator=gen, dtype=torch.bfloat16) * 100
+        if scale_format == "fp32":  # a NaN block: NaN scale and codes (the chain's UE8M0
+            x[3, 7] = float("nan")  # rounding turns a NaN scale into a number; ours keeps NaN)
+        q, s = native.quantize_fp8_blockwise(x, block_rows, scale_format)
+        want_q, want_s = quantize_blockwise(x, block_rows, ue8m0=scale_format == "ue8m0")
         torch.testing.assert_close(s, want_s, rtol=0, atol=0, equal_nan=True)
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
 

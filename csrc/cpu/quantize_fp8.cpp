@@ -17,15 +17,16 @@ namespace {
 constexpr int64_t kBlock = 128;
 constexpr float kFp8Max = 448.0f;
 
-// The smallest power of two p with amax / p <= 448 (scale = amax / 448 rounded up).
-inline float pow2_scale(float amax, float scale) {
+// scale rounded up to a power of two. amax / p <= 448 follows: fl(amax / 448) never rounds down
+// onto a power of two (448 = 7 * 2^6 leaves a relative gap of at least 2^-23.8 > half an ulp).
+inline float pow2_ceil(float scale) {
   uint32_t bits;
   std::memcpy(&bits, &scale, sizeof bits);
   if ((bits & 0x7f800000u) == 0x7f800000u) return scale;  // inf or nan: leave as is
   if (bits & 0x007fffffu) bits = (bits & 0xff800000u) + 0x00800000u;
   float p;
   std::memcpy(&p, &bits, sizeof p);
-  return amax / p > kFp8Max ? p * 2.0f : p;
+  return p;
 }
 
 inline uint32_t bits_of(float f) {
@@ -69,7 +70,7 @@ void quantize_block(const scalar_t* x, int64_t k, int64_t r0, int64_t r1, int64_
   float amax = float_of(amax_bits);
   amax = amax < 1e-12f ? 1e-12f : amax;
   float s = amax / kFp8Max;
-  if (ue8m0) s = pow2_scale(amax, s);
+  if (ue8m0) s = pow2_ceil(s);
   *scale = s;
   for (int64_t r = r0; r < r1; ++r) {
     const scalar_t* row = x + r * k;

@@ -11,12 +11,12 @@ namespace {
 constexpr int kBlock = 128;
 constexpr float kFp8Max = 448.0f;
 
-__device__ __forceinline__ float pow2_scale(float amax, float scale) {
+// scale rounded up to a power of two (see csrc/cpu/quantize_fp8.cpp for why no value overflows).
+__device__ __forceinline__ float pow2_ceil(float scale) {
   unsigned bits = __float_as_uint(scale);
   if ((bits & 0x7f800000u) == 0x7f800000u) return scale;
   if (bits & 0x007fffffu) bits = (bits & 0xff800000u) + 0x00800000u;
-  const float p = __uint_as_float(bits);
-  return __fdiv_rn(amax, p) > kFp8Max ? p * 2.0f : p;
+  return __uint_as_float(bits);
 }
 
 template <typename scalar_t>
@@ -42,7 +42,7 @@ __global__ void quantize_kernel(const scalar_t* x, int64_t m, int64_t k, int64_t
   }
   amax = amax < 1e-12f ? 1e-12f : amax;
   float s = __fdiv_rn(amax, kFp8Max);
-  if (ue8m0) s = pow2_scale(amax, s);
+  if (ue8m0) s = pow2_ceil(s);
   if (threadIdx.x == 0) scale[rb * col_blocks + cb] = s;
   if (c >= k) return;
   for (int64_t r = r0; r < r1; ++r) {
