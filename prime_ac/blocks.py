@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from prime_ac.policy import OperatorPolicy
+from prime_ac.scopes import untrack
 
 __all__ = [
     "BlockCheckpoint",
@@ -139,10 +140,12 @@ def unwrap_block(block: nn.Module) -> None:
 
     Its class is restored; if another wrapper swapped the class since (``fully_shard``'s
     ``FSDPCheckpointed<X>``), prime_ac cannot restore it without undoing that wrapper, so the
-    block keeps the class and runs its own forward with no checkpoint.
+    block keeps the class and runs its own forward with no checkpoint. Scope hooks (scoped
+    targets) go either way.
     """
     if not isinstance(block, _CheckpointedBlock):
         return
+    untrack(block)
     if can_restore_class(block):
         block.__class__ = getattr(block, _STATE).original_class
         delattr(block, _STATE)
