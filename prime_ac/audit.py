@@ -30,6 +30,7 @@ from prime_ac.blocks import (
 from prime_ac.contexts import PASS, KeepMode, RegionCache, ReplayMode
 from prime_ac.measure import operator_flops, track_step
 from prime_ac.policy import HOST_SYNC, MANDATORY
+from prime_ac.scopes import ScopeTracker
 from prime_ac.targets import TargetSet, operator_key
 
 __all__ = ["AuditReport", "CallRecord", "OpRecord", "audit", "op_name"]
@@ -61,6 +62,11 @@ class CallRecord:
     bytes: int  # of its outputs
     flops: int
     replayed: bool = False  # re-executed by the recompute (it stops once backward has its inputs)
+    scope: str = ""  # submodule path relative to the block ("" for the block's own code)
+
+    def target(self) -> str:
+        """The scoped target naming this call's operator in its submodule."""
+        return f"{self.scope}/{op_name(self.op)}" if self.scope else op_name(self.op)
 
 
 @dataclass
@@ -95,6 +101,29 @@ class AuditReport:
         for record in self.ops:
             kept[record.block] += record.kept_bytes
         return {block: kept[block] for block in self.blocks}
+
+    def call_table(self, block: str | None = None) -> str:
+        """One line per operator call of ``block`` (the first one by default), in forward order.
+
+        The first column is a scoped target naming the call's operator in its submodule: copy it
+        into ``targets`` to keep that call (``"!"`` in front to force its replay). ``#`` is the
+        call's index among the block's calls of that operator.
+        """
+        block = self.blocks[0] if block is None else block
+        if block not in self.calls:
+            raise ValueError(f"block={block!r} is not an audited block: one of {self.blocks}")
+        calls = self.calls[block]
+        width = max([len(c.target()) for c in calls] + [len("scoped target")])
+        lines = [
+            f"{'scoped target':<{width}} {'#':>3} {'decision':<10} {'bytes':>11} {'replayed':>8} "
+            f"{'FLOPs':>12}"
+        ]
+        for c in calls:
+            lines.append(
+                f"{c.target():<{width}} {c.index:>3} {c.decision:<10} {_mib(c.bytes):>11} "
+                f"{'yes' if c.replayed else 'no':>8} {c.flops:>12}"
+            )
+        return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
         data = {
@@ -156,6 +185,7 @@ class _Recorder:
         self.calls: dict[str, list[CallRecord]] = defaultdict(list)
         self.by_position: dict[tuple[str, Any, int], CallRecord] = {}
         self.seen: set[Any] = set()
+        self.scopes = ScopeTracker()  # hooks on the blocks while recording: each call's module
 
     def record(self, block: str, op: Any, decision: str) -> OpRecord:
         # a budget plan can keep some calls of an overload and replay others: one row each
@@ -188,7 +218,7 @@ class _AuditKeepMode(KeepMode):
         record = self.recorder.record(self.state.name, func, decision)
         record.calls += 1
         record.kept_bytes += size if kept else 0
-        call = CallRecord(func, index, decision, size, flops)
+        call = CallRecord(func, index, decision, size, flops, scope=self.recorder.scopes.path())
         self.recorder.calls[self.state.name].append(call)
         self.recorder.by_position[(self.state.name, func, index)] = call
         return out
@@ -286,18 +316,21 @@ def audit(model: nn.Module, loss_fn: LossFn) -> AuditReport:
         with checkpointing_disabled(model):
             held_none, forward_flops = track_step(model, loss_fn)
         recorder = _Recorder()
-        with _recording(blocks, recorder):
+        with _recording(blocks, recorder), recorder.scopes.tracking(b for _, b in blocks):
             held, _ = track_step(model, loss_fn)
     state = checkpoint_state(blocks[0][1])
     policy = state.policy
     mode = "auto" if state.plan is not None else policy.mode
     targets = list(policy.targets) if mode == "selective" else []
+    scoped = (
+        [str(t) for t in policy.scoped.targets] if mode == "selective" and policy.scoped else []
+    )
     seen_keys = [operator_key(op) for op in recorder.seen]
     unmatched = [t for t in targets if not any(TargetSet([t]).matches(k) for k in seen_keys)]
     ops = list(recorder.ops.values())
     return AuditReport(
         mode=mode,
-        targets=targets,
+        targets=targets + scoped,
         blocks=[name for name, _ in blocks],
         ops=ops,
         unmatched_targets=unmatched,

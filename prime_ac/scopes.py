@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import re
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -266,6 +267,23 @@ class ScopeTracker:
             handle.remove()
         for key in keys:
             self._modules.pop(key, None)
+
+    def path(self) -> str:
+        """The dotted path (relative to its block) of the submodule running now; ``""`` for the
+        block's own code."""
+        return ".".join(self.paths[self.current()])
+
+    @contextmanager
+    def tracking(self, blocks: Iterable[nn.Module]) -> Iterator[ScopeTracker]:
+        """Track ``blocks`` within the context only (the audit's module paths)."""
+        added = [block for block in blocks if block not in self._handles]
+        for block in added:
+            self.track(block)
+        try:
+            yield self
+        finally:
+            for block in added:
+                self.untrack(block)
 
     def _enter(self, sid: int):
         push = self.stack.append
