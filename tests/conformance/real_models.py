@@ -301,6 +301,40 @@ CASES = [
         _LM_BATCH,
         _names("model.layers", 2),
     ),
+    # GPT-OSS: attention sinks, sliding-window layers, MoE with biased experts
+    Case(
+        "gpt_oss",
+        _hf(
+            "GptOssConfig",
+            "GptOssForCausalLM",
+            head_dim=8,
+            num_local_experts=4,
+            sliding_window=4,
+            **_MOE,
+            **_DECODER,
+        ),
+        _LM_BATCH,
+        _names("model.layers", 2),
+    ),
+    # GLM-4-MoE: a dense first layer, then MoE layers normalising a gathered copy of the top-k
+    Case(
+        "glm4_moe",
+        _hf(
+            "Glm4MoeConfig",
+            "Glm4MoeForCausalLM",
+            head_dim=8,
+            first_k_dense_replace=1,
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            **_MOE,
+            **_DECODER,
+        ),
+        _LM_BATCH,
+        _names("model.layers", 2),
+    ),
     # DeepSeek-V3: one dense layer, then MoE layers (MLA attention, grouped routing)
     Case(
         "deepseek_v3",
@@ -343,6 +377,27 @@ CASES = [
         _LM_BATCH,
         _names("model.layers", 2),
     ),
+    # Qwen3-Next: gated-delta-net linear attention (PyTorch path) then full attention; MoE
+    Case(
+        "qwen3_next",
+        _hf(
+            "Qwen3NextConfig",
+            "Qwen3NextForCausalLM",
+            head_dim=8,
+            layer_types=["linear_attention", "full_attention"],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            num_experts=4,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            **_MOE,
+            **_DECODER,
+        ),
+        _LM_BATCH,
+        _names("model.layers", 2),
+    ),
     # Zamba2: two hybrid layers share one transformer whose LoRA adapters sit in ModuleLists
     Case(
         "zamba2",
@@ -371,6 +426,13 @@ CASES = [
         _names("model.layers", 3),
     ),
     # encoder, encoder-decoder, vision encoders
+    # Gemma 3: sliding-window and global layers, QK norms, scaled embeddings
+    Case(
+        "gemma3",
+        _hf("Gemma3TextConfig", "Gemma3ForCausalLM", head_dim=8, sliding_window=4, **_DECODER),
+        _LM_BATCH,
+        _names("model.layers", 2),
+    ),
     Case(
         "bert",
         _hf(
