@@ -33,6 +33,8 @@ _NO_BUILD = {  # what works on a machine that cannot build the library
 def native_library():
     if shutil.which("c++") is None or shutil.which("ninja") is None:
         pytest.skip("the native ops need a C++ compiler (c++) and ninja to build")
+    if not native_build.torch_supported():
+        pytest.skip(f"the native ops need torch >= 2.10 (stable ABI), not {torch.__version__}")
     return native_build.build()
 
 
@@ -491,5 +493,7 @@ def test_cuda_sources_compile(tmp_path):
     """nvcc -c of every csrc/cuda file against torch's headers: no GPU or CUDA torch needed."""
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc is not on the PATH")
+    if not native_build.torch_supported():
+        pytest.skip(f"the native ops need torch >= 2.10 (stable ABI), not {torch.__version__}")
     objects = native_build.check_cuda_sources(tmp_path)
     assert len(objects) == 3 and all(o.stat().st_size > 0 for o in objects)

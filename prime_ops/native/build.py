@@ -24,7 +24,15 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["BUILD_COMMAND", "build", "cache_dir", "check_cuda_sources", "csrc_dir", "load"]
+__all__ = [
+    "BUILD_COMMAND",
+    "build",
+    "cache_dir",
+    "check_cuda_sources",
+    "csrc_dir",
+    "load",
+    "torch_supported",
+]
 
 _loaded: Path | None = None  # the library this process loaded (a process can load it once)
 
@@ -73,6 +81,12 @@ def cache_dir(cuda: bool) -> Path:
     return base / f"{abi}-{'cuda' if cuda else 'cpu'}-{_sources_digest()}"
 
 
+def torch_supported() -> bool:
+    """The stable-ABI pieces the kernels use (parallel_for, new_empty, ...) exist from 2.10."""
+    release = torch.torch_version.TorchVersion(torch.__version__)
+    return release >= ".".join(map(str, ABI_TARGET))
+
+
 def _cuda_buildable() -> bool:
     from torch.utils.cpp_extension import CUDA_HOME
 
@@ -99,6 +113,11 @@ def build(*, cuda: bool | None = None, verbose: bool = False) -> Path:
     global _loaded
     if _loaded is not None:
         return _loaded
+    if not torch_supported():
+        raise RuntimeError(
+            f"the native kernels need torch >= {ABI_TARGET[0]}.{ABI_TARGET[1]} (LibTorch stable "
+            f"ABI); this is torch {torch.__version__}"
+        )
     cuda = _cuda_buildable() if cuda is None else cuda
     out = cache_dir(cuda)
     out.mkdir(parents=True, exist_ok=True)
@@ -122,6 +141,8 @@ def load() -> bool:
     global _loaded
     if _loaded is not None:
         return True
+    if not torch_supported():
+        return False
     try:
         dirs = [cache_dir(True)] if torch.version.cuda else []
         dirs.append(cache_dir(False))

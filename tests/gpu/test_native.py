@@ -13,8 +13,10 @@ from prime_ops.native import build as native_build
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
-        not torch.cuda.is_available() or shutil.which("nvcc") is None,
-        reason="needs a CUDA device, a CUDA build of torch and nvcc",
+        not torch.cuda.is_available()
+        or shutil.which("nvcc") is None
+        or not native_build.torch_supported(),
+        reason="needs a CUDA device, a CUDA build of torch >= 2.10 and nvcc",
     ),
 ]
 
