@@ -17,16 +17,18 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from prime_ac._compat import schema_is_mutable
-from prime_ac.audit import audit
+from prime_ac.audit import audit, op_name
 from prime_ac.contexts import Rules, checkpoint_contexts
 from prime_ac.policy import OperatorPolicy
+from prime_ac.scopes import ScopeRules, split_targets
+from prime_ac.targets import Target, TargetSet
 
 __all__ = [
     "BlockPlan",
@@ -47,6 +49,59 @@ class BlockPlan:
     kept: tuple[tuple[str, int], ...]  # (operator overload, call index in the block's forward)
     kept_bytes: int  # chosen calls plus mandatory operators
     replayed_flops: int  # of the calls left to replay
+    # (submodule path, operator, "kept" / "replayed" / "mandatory") of every profiled call
+    calls: tuple[tuple[str, str, str], ...] = field(default=(), repr=False, compare=False)
+
+    def as_targets(self) -> list[str]:
+        """Scoped targets that keep exactly the calls this plan keeps, for a config file.
+
+        ``checkpoint_blocks(model, mode="selective", targets=plan.as_targets())`` then keeps the
+        same calls (the same bytes, the same replayed FLOPs) and, unlike the plan, compiles.
+        An operator kept in its own submodule becomes ``"<path>/<op>"``; one kept in the block's
+        own code becomes ``"<op>"`` with ``"!<path>/<op>"`` for the submodules where it replays.
+        Raises ValueError when the plan keeps some calls of an operator in a submodule but not
+        others (targets name a submodule's calls all together).
+
+        Example::
+
+            plan = prime_ac.blocks.checkpoint_state(model.layers[0]).plan
+            print(plan.as_targets())  # ['attention.wq/aten::mm.default', ...]
+        """
+        scopes: dict[str, dict[str, set[bool]]] = defaultdict(lambda: defaultdict(set))
+        for scope, op, decision in self.calls:
+            if decision != "mandatory":
+                scopes[op][scope].add(decision == "kept")
+        targets = []
+        for op, seen in scopes.items():
+            kept = [scope for scope, flags in seen.items() if True in flags]
+            mixed = [scope or "<block>" for scope in kept if False in seen[scope]]
+            if mixed:
+                raise ValueError(
+                    f"{self.block}: the plan keeps some calls of {op} in {mixed} and replays "
+                    "others there; a target names all of a submodule's calls, so this plan has "
+                    "no target list (keep the plan, or give that code its own submodule)"
+                )
+            if "" in kept:
+                targets.append(op)
+                targets += [f"!{scope}/{op}" for scope in seen if scope not in kept]
+            else:
+                targets += [f"{scope}/{op}" for scope in kept]
+        self._check_reproduces(targets)
+        return targets
+
+    def _check_reproduces(self, targets: list[str]) -> None:
+        plain, scoped = split_targets(targets)
+        rules = ScopeRules(scoped, TargetSet(plain))
+        for scope, op, decision in self.calls:
+            path = tuple(scope.split(".")) if scope else ()
+            key = Target.parse(op)
+            keeps = rules.decide((key.namespace, key.op, key.overload), path)
+            if decision != "mandatory" and keeps != (decision == "kept"):
+                raise ValueError(
+                    f"{self.block}: no target list reproduces this plan: {targets} would "
+                    f"{'keep' if keeps else 'replay'} {op} in {scope or '<block>'}, which the "
+                    "plan does not"
+                )
 
 
 def choose_calls(items: Sequence[tuple[int, int]], capacity: int) -> list[int]:
@@ -98,12 +153,23 @@ def plan_block(block: str, calls: list[Any], capacity: int) -> BlockPlan:
     candidates = [c for c in calls if c.replayed and c.flops > 0 and not schema_is_mutable(c.op)]
     chosen = choose_calls([(c.bytes, c.flops) for c in candidates], max(capacity - mandatory, 0))
     kept = [candidates[i] for i in chosen]
+    chosen_calls = {(c.op, c.index) for c in kept}
     return BlockPlan(
         block=block,
         budget_bytes=capacity,
         kept=tuple((c.op, c.index) for c in kept),
         kept_bytes=mandatory + sum(c.bytes for c in kept),
         replayed_flops=sum(c.flops for c in candidates) - sum(c.flops for c in kept),
+        calls=tuple(
+            (
+                c.scope,
+                op_name(c.op),
+                "mandatory"
+                if c.decision == "mandatory"
+                else ("kept" if (c.op, c.index) in chosen_calls else "replayed"),
+            )
+            for c in calls
+        ),
     )
 
 
