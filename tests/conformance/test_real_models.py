@@ -36,6 +36,16 @@ def _step(case, model, batch):
     return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
 
 
+def _differing(grads0, grads):
+    """Names whose gradient is not bitwise equal (or present in one run only)."""
+    return [
+        name
+        for name, g0 in grads0.items()
+        if (g0 is None) != (grads[name] is None)
+        or (g0 is not None and not torch.equal(g0, grads[name]))
+    ]
+
+
 @pytest.fixture(scope="module", params=CASES, ids=lambda case: case.name)
 def reference(request):
     """The model, its batch, and the loss and gradients of one step without checkpointing."""
@@ -89,12 +99,7 @@ def test_gradients_are_bitwise_equal_to_no_checkpointing(reference, mode):
 
         assert torch.equal(loss, loss0), f"step {step}"
         assert grads.keys() == grads0.keys()
-        differ = [
-            name
-            for name, g0 in grads0.items()
-            if (g0 is None) != (grads[name] is None)
-            or (g0 is not None and not torch.equal(g0, grads[name]))
-        ]
+        differ = _differing(grads0, grads)
         assert not differ, f"{case.name} mode={mode} step {step}: gradients differ for {differ}"
     with torch.no_grad():  # a validation pass through the wrapped blocks
         assert torch.equal(case.loss(model, batch), loss0)
@@ -125,12 +130,7 @@ def test_a_mode_active_only_in_backward_changes_nothing(reference, mode):
         assert flops > flops0, "the recompute's matmuls are counted"
     else:  # the counter counts matmuls and attention, which selective mode keeps: none replays
         assert flops == flops0
-    differ = [
-        name
-        for name, g0 in grads0.items()
-        if (g0 is None) != (grads[name] is None)
-        or (g0 is not None and not torch.equal(g0, grads[name]))
-    ]
+    differ = _differing(grads0, grads)
     assert not differ, f"{case.name} mode={mode}: gradients differ for {differ}"
 
 
@@ -139,14 +139,14 @@ def test_held_bytes_order_full_below_selective_below_none(reference, record_prop
     model = copy.deepcopy(plain)
     ratios = {}
     for mode, settings in SETTINGS.items():
-        prime_ac.checkpoint_blocks(model, **settings)  # re-applying replaces the settings
+        wrapped = prime_ac.checkpoint_blocks(model, **settings)  # re-applying replaces settings
         report = prime_ac.audit(model, lambda m: case.loss(m, batch))
         ratios[mode] = report.held_bytes / report.held_bytes_no_ac
     record_property(HELD_RATIOS, {"model": case.name, **ratios})
 
     assert 0 < ratios["full"] < ratios["selective"] < 1, ratios
     assert ratios["full"] < ratios["custom"] <= ratios["selective"], ratios  # a subset is kept
-    assert sorted(prime_ac.unwrap_blocks(model)) == sorted(case.blocks)
+    assert sorted(prime_ac.unwrap_blocks(model)) == sorted(wrapped)
 
 
 @pytest.mark.parametrize("case", ONE_LAYER_CASES, ids=lambda case: case.name)
