@@ -173,8 +173,8 @@ def version(t: torch.Tensor) -> int:
     return t._version
 
 
-# SelectiveCheckpointContext gained ``op_output`` in torch 2.11; older releases take only
-# ``is_recompute``. Public class, version-dependent signature.
+# SelectiveCheckpointContext takes ``op_output`` in newer releases (2.13, 2.14) and only
+# ``is_recompute`` in older ones (2.9). Public class, version-dependent signature: feature-tested.
 _SAC_CONTEXT_HAS_OUTPUT = (
     "op_output" in inspect.signature(_checkpoint.SelectiveCheckpointContext).parameters
 )

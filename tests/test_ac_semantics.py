@@ -317,3 +317,49 @@ def test_nested_compile_region_in_a_compiled_region_trains_bitwise(mode):
     assert_bitwise_equal(results[1], results[0])
     for name, g in eager.items():
         torch.testing.assert_close(g, results[0][name])
+
+
+# --- what the contexts store -------------------------------------------------------------------
+
+
+def test_replayed_operators_store_nothing():
+    torch.manual_seed(0)
+    block, x = Dense(), torch.randn(4, 8, requires_grad=True)
+    contexts, made = _recording(prime_ac.context_fn("full", name="dense"))
+    checkpoint(block, x, use_reentrant=False, context_fn=contexts).sum().backward()
+    ((forward, _),) = made
+    assert forward.cache.stored == 0 and forward.cache.entries == {}
+    assert forward.cache.forward_calls == {}  # replayed operators are not even counted
+
+
+def test_user_policy_callable_decides_per_call():
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    calls = []
+
+    def keep_second_addmm(ctx, op, *args, **kwargs):
+        if op is torch.ops.aten.addmm.default:
+            calls.append(op)
+            if len(calls) == 2:
+                return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    torch.manual_seed(0)
+    block, x = Dense(), torch.randn(4, 8)
+    reference = copy.deepcopy(block)
+    reference(x).sum().backward()
+    contexts, made = _recording(prime_ac.context_fn(policy=keep_second_addmm, name="dense"))
+    checkpoint(block, x, use_reentrant=False, context_fn=contexts).sum().backward()
+    ((forward, _),) = made
+    assert len(calls) == 2  # called in the forward only
+    assert list(forward.cache.entries[torch.ops.aten.addmm.default]) == [1]
+    assert_bitwise_equal(grads(block), grads(reference))
+
+
+def test_second_backward_through_a_region_with_kept_results_raises():
+    torch.manual_seed(0)
+    block, x = Dense(), torch.randn(4, 8, requires_grad=True)
+    out = checkpoint(block, x, use_reentrant=False, context_fn=prime_ac.context_fn("selective"))
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(CheckpointError, match="second time"):
+        out.sum().backward()
