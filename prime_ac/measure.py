@@ -45,34 +45,40 @@ def _grouped_mm_flops(func, args, kwargs, out) -> int:
     return 2 * out.numel() * a.shape[-1]
 
 
-# Formulas torch.utils.flop_counter lacks (it counts these as 0 FLOPs), keyed by overload packet.
+def _attention_flops(func, args, kwargs, out) -> int:
+    """CPU flash attention: ``q @ k^T`` and ``p @ v`` per batch and query head.
+
+    torch has no formula for the CPU kernel; its CUDA flash formula asserts equal query and key
+    head counts before torch 2.10, which grouped-query attention does not have.
+    """
+    q, k, v = args[:3]  # [B, H, S, D]; k and v may have fewer heads
+    batch, heads, s_q, d_qk = q.shape
+    return 2 * batch * heads * s_q * k.shape[-2] * (d_qk + v.shape[-1])
+
+
+# For operators torch.utils.flop_counter has no formula for (it would count 0 FLOPs), keyed by
+# overload packet or higher-order operator; torch's own formula wins where a release has one.
 _FORMULAS = {
     torch.ops.aten._grouped_mm: _grouped_mm_flops,
     torch.ops.aten._scaled_grouped_mm: _grouped_mm_flops,
-}
-
-# torch's FLOP formulas have no entry for CPU flash attention; its shapes and maths are those of
-# the CUDA flash kernel, whose formula reads only q, k and v.
-_FLOP_ALIASES = {
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: (
-        torch.ops.aten._scaled_dot_product_flash_attention
-    ),
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _attention_flops,
+    torch.ops.higher_order.flex_attention: _attention_flops,  # torch < 2.10 has no formula
 }
 
 
 def operator_flops(func, args, kwargs, out) -> int:
-    """FLOPs of one operator call: torch.utils.flop_counter's formulas plus prime_ac's own for
-    grouped GEMMs; 0 for operators neither has. Higher-order operators (flex_attention) are
-    looked up by the operator itself."""
+    """FLOPs of one operator call: torch.utils.flop_counter's formula, else prime_ac's own
+    (grouped GEMMs, CPU flash attention, flex_attention on older torch); 0 when neither has one.
+    Higher-order operators are looked up by the operator itself."""
     # imported here: torch.utils.flop_counter imports triton when it is installed
     from torch.utils.flop_counter import flop_registry
 
     packet = getattr(func, "_overloadpacket", func)
+    formula = flop_registry.get(packet)
+    if formula is not None:
+        return formula(*args, **(kwargs or {}), out_val=out)
     own = _FORMULAS.get(packet)
-    if own is not None:
-        return own(func, args, kwargs or {}, out)
-    formula = flop_registry.get(_FLOP_ALIASES.get(packet, packet))
-    return 0 if formula is None else formula(*args, **(kwargs or {}), out_val=out)
+    return 0 if own is None else own(func, args, kwargs or {}, out)
 
 
 def storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:

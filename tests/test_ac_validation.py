@@ -260,3 +260,11 @@ def test_auto_keeps_expert_gemms_once_they_have_flops():
         str(op) for name in ("0", "1") for op, _ in model.get_submodule(name)._prime_ac.plan.kept
     }
     assert kept == {"aten._grouped_mm.default"}
+
+
+def test_cpu_flash_attention_flops_with_grouped_query_heads():
+    b, h, h_kv, s, d = 2, 4, 2, 8, 16
+    q, k, v = torch.randn(b, h, s, d), torch.randn(b, h_kv, s, d), torch.randn(b, h_kv, s, d)
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    # q @ k^T and p @ v for every query head: 2 * s * s * d FLOPs each
+    assert operator_flops(op, (q, k, v), {}, None) == b * h * 2 * (2 * s * s * d)
