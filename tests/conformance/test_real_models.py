@@ -149,6 +149,27 @@ def test_held_bytes_order_full_below_selective_below_none(reference, record_prop
     assert sorted(prime_ac.unwrap_blocks(model)) == sorted(wrapped)
 
 
+CACHED = [case for case in CASES if case.batch().get("use_cache") is False]
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("case", CACHED, ids=lambda case: case.name)
+def test_a_kv_cache_in_training_trains_exactly_or_says_use_cache_false(case, mode):
+    """HF models default to use_cache=True: the forward fills a KV cache that the recompute
+    fills again. Either the gradients still equal no AC, or the error tells the user the fix."""
+    plain, batch = case.build(), {**case.batch(), "use_cache": True}
+    loss0, grads0 = _step(case, plain, batch)
+    model = copy.deepcopy(plain)
+    prime_ac.checkpoint_blocks(model, **SETTINGS[mode])
+    try:
+        loss, grads = _step(case, model, batch)
+    except Exception as error:  # noqa: BLE001  (any error type, as long as it names the fix)
+        assert "use_cache" in str(error), f"{type(error).__name__}: {error}"
+    else:
+        assert torch.equal(loss, loss0)
+        assert not _differing(grads0, grads)
+
+
 @pytest.mark.parametrize("case", ONE_LAYER_CASES, ids=lambda case: case.name)
 def test_one_block_stacks_are_found(case):
     assert sorted(prime_ac.checkpoint_blocks(case.build())) == sorted(case.blocks)
