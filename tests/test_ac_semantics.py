@@ -222,7 +222,7 @@ def _flex_attention(q, k, v):
     mask = _create_empty_block_mask(q, k).as_tuple()
     options = {"OUTPUT_LOGSUMEXP": True, "OUTPUT_MAX": False}
     out = torch.ops.higher_order.flex_attention(
-        q, k, v, _relative_bias, mask, q.shape[-1] ** -0.5, options, (), ()
+        q, k, v, _relative_bias, mask, q.shape[-1] ** -0.5, options
     )
     return out[0]
 
@@ -263,6 +263,55 @@ def test_flex_attention_target_keeps_it(mode, kept):
     assert forward.cache.handed_back(flex) == int(kept)  # handed back: the recompute skips it
 
 
+def _graph_capturing_backend():
+    """An AOTAutograd backend with torch's min-cut partitioner that runs the graphs as traced
+    (no kernel fusion, so gradients compare bitwise) and keeps the backward graphs."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    backward_graphs = []
+
+    def forward(gm, example_inputs):
+        return make_boxed_func(gm.forward)
+
+    def backward(gm, example_inputs):
+        backward_graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(
+        fw_compiler=forward,
+        bw_compiler=backward,
+        partition_fn=min_cut_rematerialization_partition,
+    )
+    return backend, backward_graphs
+
+
+def _train_compiled(model, x, settings=None):
+    torch._dynamo.reset()
+    model = copy.deepcopy(model)
+    if settings is not None:
+        prime_ac.checkpoint_blocks(model, **settings)
+    backend, backward_graphs = _graph_capturing_backend()
+    torch.compile(model, backend=backend, fullgraph=True)(x).backward()
+    return grads(model), backward_graphs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, reruns", [("selective", 0), ("full", 2)])
+def test_flex_attention_compiled_keeps_it_and_trains_bitwise(mode, reruns):
+    torch.manual_seed(0)
+    model, x = Stack(FlexBlock), torch.randn(2, 8, 16)
+    reference, _ = _train_compiled(model, x)
+    trained, backward_graphs = _train_compiled(model, x, {"mode": mode})
+    assert_bitwise_equal(trained, reference)
+    flex = torch.ops.higher_order.flex_attention
+    in_backward = sum(
+        node.target is flex for graph in backward_graphs for node in graph.graph.nodes
+    )
+    assert in_backward == reruns  # one recomputed flex_attention per block in full mode
+
+
 def _torch_sac_handles_invoke_subgraph() -> bool:
     from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
     from torch.utils.checkpoint import _CachingTorchDispatchMode
@@ -277,10 +326,6 @@ def _torch_sac_handles_invoke_subgraph() -> bool:
 )
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_nested_compile_region_in_a_compiled_region_trains_bitwise(mode):
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-
     @torch.compiler.nested_compile_region
     def mlp(x, w1, w2):
         return torch.relu(x @ w1) @ w2
@@ -295,24 +340,9 @@ def test_nested_compile_region_in_a_compiled_region_trains_bitwise(mode):
         def forward(self, x):
             return x + mlp(self.norm(x), self.w1, self.w2)
 
-    def keep_graph(gm, example_inputs):
-        return make_boxed_func(gm.forward)
-
-    backend = aot_autograd(
-        fw_compiler=keep_graph,
-        bw_compiler=keep_graph,
-        partition_fn=min_cut_rematerialization_partition,
-    )
     torch.manual_seed(0)
     model, x = Stack(Block), torch.randn(4, 16)
-    results = []
-    for settings in (None, {"mode": mode}):
-        torch._dynamo.reset()
-        trained = copy.deepcopy(model)
-        if settings is not None:
-            prime_ac.checkpoint_blocks(trained, **settings)
-        torch.compile(trained, backend=backend, fullgraph=True)(x).backward()
-        results.append(grads(trained))
+    results = [_train_compiled(model, x)[0], _train_compiled(model, x, {"mode": mode})[0]]
     eager = _train(model, x, {"mode": mode})  # outside compile the region runs eagerly
     assert_bitwise_equal(results[1], results[0])
     for name, g in eager.items():
