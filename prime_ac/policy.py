@@ -12,7 +12,7 @@ from typing import Any, Literal
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from prime_ac._compat import is_tracing, schema_is_mutable
+from prime_ac._compat import schema_is_mutable
 from prime_ac.scopes import ScopeRules, split_targets
 from prime_ac.targets import (
     DEFAULT_TARGETS,
@@ -88,9 +88,7 @@ class OperatorPolicy:
         if decision is HOST_SYNC:
             return _SAVE if reads_device_into_host(op, args, kwargs) else _RECOMPUTE
         if decision is SCOPED:
-            tracker = self.scoped.tracker
-            scope = tracker.compiled() if is_tracing() else tracker.current()
-            return _SAVE if self.scoped.keeps(op, args, scope) else _RECOMPUTE
+            return _SAVE if self.scoped.keeps_now(op, args) else _RECOMPUTE
         return _SAVE
 
     def __repr__(self) -> str:

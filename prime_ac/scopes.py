@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from prime_ac._compat import is_tracing
 from prime_ac.targets import Target, TargetSet, operator_key
 
 __all__ = [
@@ -324,8 +325,9 @@ class ScopeRules:
         self.plain = plain
         self.needs_scope = any(t.scope for t in self.targets)
         self.tracker = ScopeTracker()
+        self._stack = self.tracker.stack
         _trackers.add(self.tracker)
-        self._decisions: dict[tuple[Any, Any, int], bool] = {}
+        self._decisions: dict[tuple[int, str | None, int], bool] = {}
         _name_tags(self.targets)
 
     def involves(self, key: tuple[str, str, str | None]) -> bool:
@@ -338,7 +340,7 @@ class ScopeRules:
         """Whether the call of ``op`` with ``args`` in scope ``sid`` is kept: a dict lookup once
         the (operator, tag, scope) was seen."""
         name = args[1] if op is TAG_OP else None
-        key = (op, name, sid)
+        key = (id(op), name, sid)  # operators are process-lifetime singletons; id() hashes fast
         decision = self._decisions.get(key)
         if decision is None:
             path = self.tracker.paths[sid]
@@ -346,9 +348,20 @@ class ScopeRules:
         return decision
 
     def keeps_here(self, op: Any, args: tuple) -> bool:
-        """:meth:`keeps` in the scope the eager forward or recompute is in now."""
-        stack = self.tracker.stack
-        return self.keeps(op, args, stack[-1] if stack else 0)
+        """:meth:`keeps` in the scope the eager forward or recompute is in now (the per-call
+        path of prime_ac's own modes, so :meth:`keeps` is inlined)."""
+        stack = self._stack
+        sid = stack[-1] if stack else 0
+        decision = self._decisions.get((id(op), args[1] if op is TAG_OP else None, sid))
+        return self.keeps(op, args, sid) if decision is None else decision
+
+    def keeps_now(self, op: Any, args: tuple) -> bool:
+        """:meth:`keeps` where the code runs: inside a submodule, eager code has the hooks'
+        stack; traced code (torch.compile) has its node's module stack."""
+        stack = self._stack
+        if stack:
+            return self.keeps(op, args, stack[-1])
+        return self.keeps(op, args, self.tracker.compiled() if is_tracing() else 0)
 
     def decide(
         self, key: tuple[str, str, str | None], path: tuple[str, ...], tag_name: str | None = None
