@@ -17,7 +17,7 @@ import torch.utils.checkpoint as _checkpoint
 # TorchDispatchMode is public in practice but lives in a private module (2.9-2.14); the pytree
 # helpers likewise. Public replacement: torch.utils.pytree for the helpers (2.7+ has a public
 # module), none yet for the mode class.
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 __all__ = [
@@ -27,7 +27,11 @@ __all__ = [
     "OpOverload",
     "TorchDispatchMode",
     "detach",
+    "dispatch_op_names",
+    "is_composite_implicit",
+    "is_traceable_wrapper_subclass",
     "is_tracing",
+    "operator_parts",
     "redirect_hops",
     "sac_context",
     "schema_is_mutable",
@@ -205,3 +209,21 @@ def written_arguments(op: Any) -> tuple[tuple[int, str], ...] | None:
 def schema_is_mutable(op: Any) -> bool:
     """True when ``op``'s schema writes an argument (OpOverload._schema, every release)."""
     return isinstance(op, OpOverload) and op._schema.is_mutable
+
+
+# The dispatcher's operator table and kernel lookup (torch._C, every release 2.9-2.14), for the
+# target reports. Public replacement: none.
+def dispatch_op_names() -> set[str]:
+    """Every registered overload: ``ns::op`` for a ``.default`` overload, ``ns::op.name`` else."""
+    return set(torch._C._dispatch_get_all_op_names())
+
+
+def is_composite_implicit(op: Any) -> bool:
+    """True when ``op`` decomposes before any dispatch mode sees it."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+
+
+def operator_parts(op: Any) -> tuple[str, str, str]:
+    """``(namespace, op, overload)`` of an OpOverload (OpOverload._opname/_overloadname, every
+    release; public ``op.name()`` joins them and drops ``default``)."""
+    return op.namespace, op._opname, op._overloadname

@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from prime_ac._compat import TorchDispatchMode, tree_leaves
+from prime_ac._compat import TorchDispatchMode, is_traceable_wrapper_subclass, tree_leaves
 
 __all__ = [
     "OpCounter",

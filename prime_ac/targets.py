@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from prime_ac import _compat
+
 __all__ = [
     "DEFAULT_TARGETS",
     "HOST_SYNC_TARGETS",
@@ -145,14 +147,14 @@ class Target:
         keepable = [
             getattr(packet, name)
             for name in dispatched
-            if mandatory or not getattr(packet, name)._schema.is_mutable
+            if mandatory or not _compat.schema_is_mutable(getattr(packet, name))
         ]
         if not keepable:
             return (
                 "only mutates its arguments: a cached result would skip the write, so it is "
                 "never kept"
             )
-        if all(_is_composite_implicit(op) for op in keepable):
+        if all(_compat.is_composite_implicit(op) for op in keepable):
             return (
                 "is CompositeImplicitAutograd: it decomposes before any dispatch mode sees it, "
                 "so target the operators it decomposes into instead"
@@ -166,17 +168,13 @@ def registered_operators() -> set[str]:
     ``ns::op`` is a ``.default`` overload and ``ns::op.name`` any other, so an operator with no
     ``.default`` (``aten::mul``: ``.Tensor``, ``.Scalar``) never appears under its bare name.
     """
-    return set(torch._C._dispatch_get_all_op_names())
-
-
-def _is_composite_implicit(op: torch._ops.OpOverload) -> bool:
-    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+    return _compat.dispatch_op_names()
 
 
 def operator_key(op: Any) -> tuple[str, str, str | None]:
     """``(namespace, op, overload)`` of an OpOverload or a higher-order operator."""
-    if isinstance(op, torch._ops.OpOverload):
-        return op.namespace, op._opname, op._overloadname
+    if isinstance(op, _compat.OpOverload):
+        return _compat.operator_parts(op)
     return op.namespace, op.name(), None
 
 

@@ -16,7 +16,8 @@ PACKAGE = Path(__file__).parents[1] / "prime_ac"
 
 # Each module may import only modules of a lower layer (the entry points sit on top).
 LAYERS = [
-    {"_compat", "targets", "models"},
+    {"_compat", "models"},
+    {"targets"},
     {"scopes"},
     {"policy", "config"},
     {"contexts"},
