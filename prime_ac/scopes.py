@@ -169,6 +169,7 @@ def _(x: torch.Tensor, name: str) -> torch.Tensor:
 _tag_op.register_autograd(lambda ctx, grad: (grad, None))
 
 TAG_OP = torch.ops.prime_ac.tag.default
+_is_compiling = torch.compiler.is_compiling
 
 # The tag names some policy keeps or replays. Global because ``tag`` is called from model code,
 # which holds no policy, and because torch.compile must guard on it: a frozenset read as a
@@ -286,16 +287,20 @@ class ScopeTracker:
             for block in added:
                 self.untrack(block)
 
+    # Traced code skips the hooks: dynamo refuses a checkpointed region that mutates state from
+    # outside it (a graph break), and the traced policy reads the node's module stack anyway.
     def _enter(self, sid: int):
         push = self.stack.append
 
         def enter(module: nn.Module, args: Any) -> None:
-            push(sid)
+            if not _is_compiling():
+                push(sid)
 
         return enter
 
     def _exit(self, module: nn.Module, args: Any, out: Any) -> None:
-        self.stack.pop()
+        if not _is_compiling():
+            self.stack.pop()
 
 
 # Every tracker that may hold hooks, so that re-configuring or unwrapping a block removes the

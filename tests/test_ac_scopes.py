@@ -197,7 +197,8 @@ def test_compiled_regions_decide_scopes_and_tags_as_eager_does():
     eager, eager_grad = set(seen), x.grad.clone()
     seen.clear()
     x.grad = None
-    torch.compile(model, backend="aot_eager")(x).backward()
+    # fullgraph: a graph break would run the region eagerly and prove nothing
+    torch.compile(model, backend="aot_eager", fullgraph=True)(x).backward()
     assert set(seen) == eager
     paths = {scoped.tracker.paths[sid]: decision for op, _, sid, decision in eager if "addmm" in op}
     assert paths == {("inner",): True, ("mlp", "0"): True, ("mlp", "2"): False}
