@@ -91,7 +91,8 @@ def _unavailable(name: str):
         if not has_kernel(name, device):
             raise BackendUnavailable(
                 f"prime_rl::{name} has no {device.type} kernel in the loaded native library; "
-                "CUDA kernels are built when torch is a CUDA build and nvcc is on the PATH: "
+                "CUDA kernels are built with a CUDA build of torch, nvcc and a visible GPU, or "
+                "on request: "
                 f"{_build.BUILD_COMMAND} --cuda"
             )
         return getattr(torch.ops.prime_rl, name)(*args)

@@ -87,10 +87,12 @@ def torch_supported() -> bool:
     return release >= ".".join(map(str, ABI_TARGET))
 
 
-def _cuda_buildable() -> bool:
+def _cuda_wanted() -> bool:
+    """A CUDA build of torch, nvcc, and a GPU to run on (a CUDA wheel on a CPU-only CI machine
+    builds the CPU kernels only; ``--cuda`` forces the CUDA ones)."""
     from torch.utils.cpp_extension import CUDA_HOME
 
-    return torch.version.cuda is not None and CUDA_HOME is not None
+    return torch.version.cuda is not None and CUDA_HOME is not None and torch.cuda.is_available()
 
 
 def _sources(cuda: bool) -> list[str]:
@@ -104,7 +106,8 @@ def _sources(cuda: bool) -> list[str]:
 def build(*, cuda: bool | None = None, verbose: bool = False) -> Path:
     """Compile (if sources changed) and load the native library; returns its path.
 
-    ``cuda=None`` adds the CUDA kernels when torch is a CUDA build and ``nvcc`` is found.
+    ``cuda=None`` adds the CUDA kernels when torch is a CUDA build, ``nvcc`` is found and a GPU
+    is visible.
     Re-running is cheap: ninja rebuilds only what changed. A process loads the library once:
     after the first load this returns that library (restart to load a rebuilt one).
     """
@@ -118,7 +121,7 @@ def build(*, cuda: bool | None = None, verbose: bool = False) -> Path:
             f"the native kernels need torch >= {ABI_TARGET[0]}.{ABI_TARGET[1]} (LibTorch stable "
             f"ABI); this is torch {torch.__version__}"
         )
-    cuda = _cuda_buildable() if cuda is None else cuda
+    cuda = _cuda_wanted() if cuda is None else cuda
     out = cache_dir(cuda)
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("MAX_JOBS", str(min(4, os.cpu_count() or 1)))
