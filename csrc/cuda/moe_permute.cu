@@ -2,8 +2,8 @@
 //
 // Row positions come from per-chunk expert histograms, a prefix sum over (expert, chunk) and a
 // rank within the chunk, so they are stable and deterministic; the output row count is read
-// back once (one host sync) to allocate x_sorted. Sums run over slots in order, one block per
-// token (no floating-point atomics).
+// back once (one host sync) to allocate x_sorted. Sums run in the CPU kernel's orders, one block
+// per token (no floating-point atomics).
 #include "cuda_common.cuh"
 
 #include <tuple>
@@ -73,7 +73,7 @@ __global__ void assign_kernel(const index_t* idx, int64_t slots, int64_t experts
   ids[threadIdx.x] = e;
   __syncthreads();
   if (s >= slots) return;
-  if (e < 0) {
+  if (e < 0 || e >= experts) {  // an invalid id raises on the host after the sync
     row_map[s] = -1;
     return;
   }
