@@ -87,7 +87,7 @@ class ScopedTarget:
                 f"out of targets already replays everywhere: write '!<scope>/{body}', e.g. "
                 f"'!feed_forward/{body}'"
             )
-        if body.startswith("tag:"):
+        if _is_tag(body):
             name = body[4:]
             if not _TAG.fullmatch(name):
                 raise ValueError(
@@ -130,10 +130,15 @@ class ScopedTarget:
         )
 
 
+def _is_tag(text: str) -> bool:
+    # one colon: "tag::op" stays an operator of a namespace called "tag"
+    return text.startswith("tag:") and not text.startswith("tag::")
+
+
 def parse_target(text: Any) -> Target | ScopedTarget:
     """A plain :class:`~prime_ac.targets.Target`, or a :class:`ScopedTarget` for the forms that
     contain ``/``, ``!`` or ``tag:``."""
-    if isinstance(text, str) and ("/" in text or text.startswith(("!", "tag:"))):
+    if isinstance(text, str) and ("/" in text or text.startswith("!") or _is_tag(text)):
         return ScopedTarget.parse(text)
     return Target.parse(text)
 

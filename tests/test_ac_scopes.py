@@ -249,6 +249,11 @@ def test_malformed_scoped_targets_name_the_fix(text, message):
         ACConfig(mode="selective", targets=[text])
 
 
+def test_a_namespace_called_tag_stays_an_operator_target():
+    assert str(parse_target("tag::op")) == "tag::op"
+    assert parse_target("attention/tag::op").operator is not None
+
+
 def test_scoped_strings_round_trip():
     for text in [
         "attention/aten::mm",
