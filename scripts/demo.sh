@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# The README's main command: builds a fresh venv, installs torch (CPU) and the package, runs the demo.
+# The README's demo command: one training step per checkpoint mode on the built-in tiny models, in
+# a virtual environment made on the first run (torch 2.13.0, CPU) and reused afterwards.
+#
+#   bash scripts/demo.sh [--fresh] [DEMO ARGS...]     (python -m prime_ac demo --help)
+#
+# PRIME_OPS_VENV overrides the venv path (default .venv-demo); --fresh re-creates it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-venv=${PRIME_OPS_VENV:-.venv-demo}
-rm -rf "$venv"
-python3 -m venv "$venv"
-. "$venv/bin/activate"
-pip install --quiet torch==2.13.0
-pip install --quiet -e .
+fresh=""
+if [[ ${1:-} == --fresh ]]; then fresh=1; shift; fi
+. scripts/_venv.sh
+prime_ops_venv "${PRIME_OPS_VENV:-.venv-demo}" 2.13.0 "" $fresh
+# torch warns "Failed to initialize NumPy" at import when numpy is absent.
+python -c "import numpy" 2>/dev/null || pip install -qq numpy
 python -m prime_ac demo "$@"

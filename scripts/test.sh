@@ -1,11 +1,31 @@
 #!/usr/bin/env bash
-# The README's test command: builds a fresh venv, installs torch (CPU) and the package, runs every test.
+# The README's test command: the whole test suite on CPU, in a virtual environment made on the
+# first run and reused afterwards (tests/gpu/ skips without CUDA).
+#
+#   bash scripts/test.sh [--torch VERSION] [--fresh] [PYTEST ARGS...]
+#
+# --torch VERSION  test against another torch release (default 2.13.0, the CPU build); its venv is
+#                  .venv-torch-VERSION, made once (other versions are CUDA builds, ~3.5 GB)
+# --fresh          delete and re-create the venv
+# PRIME_OPS_VENV   use this venv path instead (.venv-test for torch 2.13.0)
+# PYTEST ARGS      passed on, after the defaults -n auto --durations=15 (e.g. tests/test_ac_*.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-venv=${PRIME_OPS_VENV:-.venv-test}
-rm -rf "$venv"
-python3 -m venv "$venv"
-. "$venv/bin/activate"
-pip install --quiet torch==2.13.0
-pip install --quiet -e '.[test]'
-python -m pytest -q "$@"
+torch_version=2.13.0
+fresh=""
+while [[ $# -gt 0 ]]; do
+    case $1 in
+    --torch)
+        [[ $# -ge 2 ]] || { echo "scripts/test.sh: --torch needs a version, e.g. --torch 2.9.1" >&2; exit 2; }
+        torch_version=$2
+        shift 2
+        ;;
+    --fresh) fresh=1; shift ;;
+    *) break ;;
+    esac
+done
+if [[ $torch_version == 2.13.0 ]]; then default_venv=.venv-test; else default_venv=.venv-torch-$torch_version; fi
+. scripts/_venv.sh
+prime_ops_venv "${PRIME_OPS_VENV:-$default_venv}" "$torch_version" test $fresh
+echo "torch $torch_version: python -m pytest -n auto --durations=15 $*" >&2
+python -m pytest -n auto --durations=15 "$@"

@@ -1,0 +1,49 @@
+# Sourced by scripts/test.sh and scripts/demo.sh: make or reuse a virtual environment.
+#
+#   prime_ops_venv DIR TORCH_VERSION EXTRAS [--fresh]
+#
+# A venv at DIR is reused when it runs and holds torch==TORCH_VERSION; then only this project is
+# re-installed (pip --no-deps, about 5 s) and torch is never touched. Otherwise DIR is created
+# (or re-created) and torch is installed first: the CPU build for 2.13.0, a CUDA build of several
+# GB for other versions on this package index. EXTRAS (e.g. "test", or "" for none) are installed
+# with torch pinned, so no dependency can upgrade or downgrade it. Leaves DIR activated.
+
+prime_ops_venv() {
+    local venv=$1 torch_version=$2 extras=$3 fresh=${4:-}
+    local py="$venv/bin/python" have=""
+    if [[ -z "$fresh" && -x "$py" ]]; then
+        # Read the installed version from metadata: importing torch costs seconds.
+        have=$("$py" -c 'import importlib.metadata as m; print(m.version("torch").split("+")[0])' \
+            2>/dev/null || true)
+    fi
+    local pin
+    pin=$(mktemp)
+    echo "torch==$torch_version" >"$pin"
+    if [[ "$have" == "$torch_version" ]]; then
+        echo "reusing $venv (torch $have); re-installing the project only" >&2
+        # shellcheck disable=SC1091
+        . "$venv/bin/activate"
+        pip install -qq --no-deps -e .
+        if [[ -n "$extras" ]] && ! python - "$extras" 2>/dev/null <<'PY'
+import importlib.metadata as m, re, sys
+marker = f'extra == "{sys.argv[1]}"'
+for req in m.requires("prime-ops") or []:
+    if marker in req:
+        m.version(re.match(r"[A-Za-z0-9._-]+", req).group())  # raises when not installed
+PY
+        then
+            pip install -qq -c "$pin" -e ".[$extras]"
+        fi
+    else
+        local start=$SECONDS
+        echo "creating $venv with torch==$torch_version (first run: minutes)" >&2
+        rm -rf "$venv"
+        python3 -m venv "$venv"
+        # shellcheck disable=SC1091
+        . "$venv/bin/activate"
+        pip install -qq "torch==$torch_version"
+        pip install -qq -c "$pin" -e ".${extras:+[$extras]}"
+        echo "created $venv in $((SECONDS - start)) s" >&2
+    fi
+    rm -f "$pin"
+}
