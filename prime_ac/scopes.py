@@ -121,12 +121,13 @@ class ScopedTarget:
         """Whether a call in the submodule at ``path`` (relative to the block) is in scope:
         some module enclosing it has a path ending with the scope, i.e. the scope's segments
         occur consecutively in ``path``."""
+        return not self.scope or any(self.ends(path[:end]) for end in range(1, len(path) + 1))
+
+    def ends(self, path: tuple[str, ...]) -> bool:
+        """Whether ``path`` ends with the scope (``*`` matching any one segment)."""
         n = len(self.scope)
-        if n == 0:
-            return True
-        return any(
-            all(p in ("*", s) for p, s in zip(self.scope, path[start : start + n], strict=True))
-            for start in range(len(path) - n + 1)
+        return 0 < n <= len(path) and all(
+            p in ("*", s) for p, s in zip(self.scope, path[len(path) - n :], strict=True)
         )
 
 
@@ -218,9 +219,15 @@ class ScopeTracker:
     that a decision can be cached per ``(operator, scope id)``. Blocks of the same structure share
     ids. One tracker per policy; the stack is the module nesting of the forward (or recompute)
     running now.
+
+    ``scopes`` limits the hooks to the submodules whose path ends with one of them (a hook costs
+    microseconds per module call). That loses nothing: a call's decision depends on the scopes
+    ending at its enclosing modules, and the innermost hooked one's path holds all of those.
+    ``None`` hooks every submodule (the audit, which reports each call's full path).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, scopes: Iterable[ScopedTarget] | None = None) -> None:
+        self.scopes = None if scopes is None else tuple(scopes)
         self.stack: list[int] = []
         self.paths: list[tuple[str, ...]] = [()]
         self._ids: dict[tuple[str, ...], int] = {(): 0}
@@ -259,9 +266,12 @@ class ScopeTracker:
             return
         handles, keys = [], []
         for name, module in block.named_modules():
-            if module is block:
+            path = tuple(name.split("."))
+            if module is block or (
+                self.scopes is not None and not any(t.ends(path) for t in self.scopes)
+            ):
                 continue
-            sid = self.scope_id(tuple(name.split(".")))
+            sid = self.scope_id(path)
             keys.append(str(id(module)))
             self._modules[keys[-1]] = sid
             handles.append(module.register_forward_pre_hook(self._enter(sid)))
@@ -334,7 +344,7 @@ class ScopeRules:
         self.targets = tuple(scoped)
         self.plain = plain
         self.needs_scope = any(t.scope for t in self.targets)
-        self.tracker = ScopeTracker()
+        self.tracker = ScopeTracker([t for t in self.targets if t.scope])
         self._stack = self.tracker.stack
         _trackers.add(self.tracker)
         self._decisions: dict[tuple[int, str | None, int], bool] = {}
