@@ -120,9 +120,10 @@ def checkpoint_blocks(
                     preserve_rng_state=preserve_rng_state,
                 ),
             )
-        for _, block in wrapped_blocks(model):
-            if id(block) not in chosen:
-                unwrap_block(block)
+        # blocks leaving: switched off first (reversible), unwrapped once nothing can fail
+        leaving = [block for _, block in wrapped_blocks(model) if id(block) not in chosen]
+        for block in leaving:
+            wrap_block(block, dataclasses.replace(checkpoint_state(block), active=False))
         if auto:
             plans = plan_budget(model, _checked_profile(profile), config.budget)
             for name, block in selected:
@@ -134,6 +135,8 @@ def checkpoint_blocks(
                     plan=plans[name],
                 )
                 wrap_block(block, state)
+        for block in leaving:
+            unwrap_block(block)
         _install_scope_hooks(model, policy)
     return [name for name, _ in selected]
 

@@ -268,3 +268,17 @@ def test_cpu_flash_attention_flops_with_grouped_query_heads():
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     # q @ k^T and p @ v for every query head: 2 * s * s * d FLOPs each
     assert operator_flops(op, (q, k, v), {}, None) == b * h * 2 * (2 * s * s * d)
+
+
+def test_a_failing_profile_keeps_the_scope_hooks_of_blocks_it_would_drop():
+    model = CountingModel()
+    prime_ac.checkpoint_blocks(model, mode="selective", targets=["proj/aten::addmm"])
+    hooks = [len(layer.proj._forward_pre_hooks) for layer in model.layers]
+    assert all(hooks)  # scoped targets track submodules
+    before = _state(model)
+    with pytest.raises(ZeroDivisionError):
+        prime_ac.checkpoint_blocks(
+            model, mode="selective", targets="auto", budget=0.5, freq=2, profile=lambda m: 1 / 0
+        )
+    assert _state(model) == before
+    assert [len(layer.proj._forward_pre_hooks) for layer in model.layers] == hooks
