@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import logging
 
@@ -16,6 +17,7 @@ from prime_ac.budget import BlockPlan
 from prime_ac.config import ACConfig
 from prime_ac.models import build_model
 from prime_ac.scopes import ScopedTarget, parse_target
+from tests.dist_utils import run_distributed
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -295,3 +297,38 @@ def test_scope_hooks_exist_only_while_a_policy_has_scoped_targets():
     prime_ac.checkpoint_blocks(model, mode="selective", targets=["attention/aten::mm"])
     prime_ac.unwrap_blocks(model)
     assert _hooks(model) == 0
+
+
+def _fsdp_body(rank: int, world_size: int) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    gc.freeze()
+    base = _dense()
+    targets = ["attention/aten::mm", "!attention.wo/aten::mm"]
+
+    def figures(model):
+        report = prime_ac.audit(model, _loss)
+        return report.held_bytes, report.replayed_flops, _kept(report)
+
+    single = copy.deepcopy(base)
+    prime_ac.checkpoint_blocks(single, mode="selective", targets=targets)
+    expected = figures(single)
+    assert expected[2] == ["attention.wk", "attention.wq", "attention.wv"]
+    for order in ("ac-then-fsdp", "fsdp-then-ac"):
+        model = copy.deepcopy(base)
+        if order == "fsdp-then-ac":
+            for layer in model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+        prime_ac.checkpoint_blocks(model, mode="selective", targets=targets)
+        if order == "ac-then-fsdp":
+            for layer in model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+        assert figures(model) == expected, order
+        _loss(model).backward()
+
+
+@pytest.mark.slow
+def test_scoped_targets_keep_the_same_calls_under_fsdp2_in_both_orders():
+    run_distributed(_fsdp_body, 2, timeout=300)
