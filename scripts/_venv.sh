@@ -2,8 +2,9 @@
 #
 #   prime_ops_venv DIR TORCH_VERSION EXTRAS [--fresh]
 #
-# A venv at DIR is reused when it runs and holds torch==TORCH_VERSION; then only this project is
-# re-installed (pip --no-deps, about 5 s) and torch is never touched. Otherwise DIR is created
+# A venv at DIR is reused when it runs and holds torch==TORCH_VERSION; then torch is never touched,
+# and this project is re-installed (pip install --no-deps -e ., 5-15 s) only when pyproject.toml
+# changed or the editable install points elsewhere. Otherwise DIR is created
 # (or re-created) and torch is installed first: the CPU build for 2.13.0, a CUDA build of several
 # GB for other versions on this package index. EXTRAS (e.g. "test", or "" for none) are installed
 # with torch pinned, so no dependency can upgrade or downgrade it. Leaves DIR activated.
@@ -20,10 +21,21 @@ prime_ops_venv() {
     pin=$(mktemp)
     echo "torch==$torch_version" >"$pin"
     if [[ "$have" == "$torch_version" ]]; then
-        echo "reusing $venv (torch $have); re-installing the project only" >&2
         # shellcheck disable=SC1091
         . "$venv/bin/activate"
-        pip install -qq --no-deps -e .
+        local stamp="$venv/.prime-ops-installed" want
+        want="$PWD $(sha1sum pyproject.toml | cut -c1-40)"
+        if [[ "$(cat "$stamp" 2>/dev/null)" == "$want" ]] && python - "$PWD" <<'PY'
+import importlib.util, sys
+spec = importlib.util.find_spec("prime_ops")  # finds the package without importing torch
+sys.exit(spec is None or not spec.origin.startswith(sys.argv[1] + "/"))
+PY
+        then
+            echo "reusing $venv (torch $have, project installed from here)" >&2
+        else
+            echo "reusing $venv (torch $have); re-installing the project only" >&2
+            pip install -qq --no-deps -e .
+        fi
         if [[ -n "$extras" ]] && ! python - "$extras" 2>/dev/null <<'PY'
 import importlib.metadata as m, re, sys
 marker = f'extra == "{sys.argv[1]}"'
@@ -34,6 +46,7 @@ PY
         then
             pip install -qq -c "$pin" -e ".[$extras]"
         fi
+        echo "$want" >"$stamp"
     else
         local start=$SECONDS
         echo "creating $venv with torch==$torch_version (first run: minutes)" >&2
@@ -43,6 +56,7 @@ PY
         . "$venv/bin/activate"
         pip install -qq "torch==$torch_version"
         pip install -qq -c "$pin" -e ".${extras:+[$extras]}"
+        echo "$PWD $(sha1sum pyproject.toml | cut -c1-40)" >"$venv/.prime-ops-installed"
         echo "created $venv in $((SECONDS - start)) s" >&2
     fi
     rm -f "$pin"
