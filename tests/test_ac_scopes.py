@@ -164,6 +164,11 @@ def test_an_untargeted_tag_is_the_tensor_itself():
     assert prime_ac.tag(x, "never_targeted_by_any_policy") is x
 
 
+def test_the_tag_operator_passes_opcheck():
+    x = torch.randn(3, 4, requires_grad=True)
+    torch.library.opcheck(torch.ops.prime_ac.tag.default, (x, "h"))
+
+
 def test_a_tag_target_keeps_the_tagged_tensor_with_bitwise_grads():
     def step(model):
         model.zero_grad(set_to_none=True)
@@ -265,6 +270,8 @@ def test_scoped_strings_round_trip():
         "*.w2/tag:x",
     ]:
         assert str(parse_target(text)) == text
+    config = ACConfig(mode="selective", targets=["attention/aten::mm", "!w1/aten::mm", "tag:h"])
+    assert config.targets == ("attention/aten::mm", "!w1/aten::mm", "tag:h")
 
 
 def test_a_scope_matching_no_submodule_is_reported_like_an_unknown_operator(caplog):
