@@ -187,8 +187,9 @@ def tag(tensor: torch.Tensor, name: str) -> torch.Tensor:
     """Mark ``tensor`` so that a ``"tag:<name>"`` target keeps it (or ``"!…/tag:<name>"``
     replays it).
 
-    Returns ``tensor`` itself while no policy names the tag (a set lookup, no dispatch), so model
-    code can tag freely. Once a policy names it, returns a copy made by the operator
+    Returns ``tensor`` itself until a policy naming the tag is built in this process (a set
+    lookup, no dispatch), so model code can tag freely. From then on, returns a copy made by the
+    operator
     ``prime_ac::tag``, which the policy keeps or replays like any operator call, in eager and
     compiled code alike; its gradient passes through unchanged.
 
