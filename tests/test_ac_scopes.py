@@ -213,6 +213,24 @@ def test_compiled_regions_decide_scopes_and_tags_as_eager_does():
     torch.testing.assert_close(x.grad, eager_grad)
 
 
+def test_own_regions_take_scoped_targets_once_the_region_is_tracked():
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    block = _Tagged()
+    reference = block(X).sum()
+    reference.backward()
+    expected = grads(block)
+    block.zero_grad(set_to_none=True)
+    policy = prime_ac.make_policy("selective", ["mlp.0/aten::addmm"])
+    policy.scoped.tracker.track(block)
+    context_fn = prime_ac.context_fn(policy=policy)
+    checkpoint(block, X, use_reentrant=False, context_fn=context_fn).sum().backward()
+    assert_bitwise_equal(grads(block), expected)
+    sids = {policy.scoped.tracker.paths[k[2]]: v for k, v in policy.scoped._decisions.items()}
+    assert sids == {(): False, ("mlp", "0"): True}
+
+
 def test_a_budget_plan_reapplied_as_scoped_targets_keeps_the_same_calls():
     model = _dense()
     prime_ac.checkpoint_blocks(model, mode="selective", targets="auto", budget=0.3, profile=_loss)
