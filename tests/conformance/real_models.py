@@ -57,10 +57,10 @@ def _hf(config_class: str, model_class: str, **config: Any) -> Callable[[], nn.M
     return build
 
 
-def _tokens(labels: bool = True, **extra: Any) -> Callable[[], dict[str, Any]]:
+def _tokens(**extra: Any) -> Callable[[], dict[str, Any]]:
     def batch() -> dict[str, Any]:
         ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-        return {"input_ids": ids, **({"labels": ids} if labels else {}), **extra}
+        return {"input_ids": ids, "labels": ids, **extra}
 
     return batch
 
