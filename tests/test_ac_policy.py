@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import timeit
 
 import pytest
 import torch
@@ -117,15 +116,27 @@ def test_decisions_are_cached_per_overload():
     assert list(policy._decisions) == [aten.mm.default]
 
 
-def test_decision_cost_is_a_lookup():
+def test_decision_is_a_lookup_once_per_overload_and_block(monkeypatch):
+    # Deterministic stand-in for timing: after the first call of an overload, neither the
+    # policy nor a block's contexts classify it again (the benchmark reports the time).
+    from torch.utils.checkpoint import checkpoint
+
     policy = make_policy("selective")
+    classified = []
+    classify = policy.classify
+    monkeypatch.setattr(policy, "classify", lambda op: classified.append(op) or classify(op))
+    contexts = prime_ac.context_fn(policy=policy)
+    lin = torch.nn.Linear(4, 4)
+    for _ in range(3):
+        x = torch.randn(2, 4, requires_grad=True)
+        checkpoint(lambda t: lin(t).relu().sum(), x, use_reentrant=False, context_fn=contexts)
+        x.grad = None
+    assert len(classified) == len(set(classified)) > 0
+    decided = dict(policy._decisions)
     decide(policy, aten.mm.default)
-    per_call = min(
-        timeit.repeat(lambda: policy(None, aten.mm.default, X, X), number=20000, repeat=5)
-    )
-    per_call /= 20000
-    # Generous bound for a shared CI machine; the benchmark reports the real figure.
-    assert per_call < 5e-6
+    decide(policy, aten.mm.default)
+    assert list(policy._decisions).count(aten.mm.default) == 1
+    assert {k: v for k, v in policy._decisions.items() if k in decided} == decided
 
 
 def test_bad_mode_and_targets_name_the_fix():
