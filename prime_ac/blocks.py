@@ -208,13 +208,23 @@ def changes_undone_on_error(model: nn.Module) -> Iterator[None]:
 
 
 def _is_stack(module: nn.Module) -> bool:
-    """A ModuleList/ModuleDict/Sequential whose children all have children of their own.
+    """A ModuleList/ModuleDict/Sequential whose children all have submodules of their own.
 
     The children may be of different classes (dense then MoE layers, attention and Mamba
     layers of a hybrid); one child is enough (a one-layer model).
     """
     children = list(module.children()) if isinstance(module, _CONTAINERS) else []
-    return bool(children) and all(next(c.children(), None) is not None for c in children)
+    return bool(children) and all(_submodules(c) >= 1 for c in children)
+
+
+def _submodules(module: nn.Module, limit: int = 2) -> int:
+    """How many submodules ``module`` holds, counting up to ``limit``."""
+    count = 0
+    for _ in module.modules():
+        count += 1
+        if count > limit:
+            break
+    return count - 1
 
 
 def _walk(
@@ -260,7 +270,7 @@ def find_blocks(
 
     Each group is one container (``freq`` counts indices within it); a predicate gives one
     group. ``blocks=None`` discovers the stacks: the outermost ModuleList / ModuleDict /
-    Sequential containers whose children all have submodules (see docs/checkpointing.md,
+    Sequential containers whose children all have submodules (docs/checkpointing.md,
     "Discovery"). Raises ValueError when the selection is empty.
 
     Example::
@@ -324,6 +334,10 @@ def _discover(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
         for path, stack in stacks
         if not all(id(block) in inside for block in stack.children())
     ]
+    # a list of one-layer wrappers (HiDream's caption projections) is no stack of blocks when
+    # real blocks, holding several layers each, exist elsewhere
+    blocks = [(p, s) for p, s in stacks if all(_submodules(c) >= 2 for c in s.children())]
+    stacks = blocks or stacks
     # Stacks inside two or more children of one container that is not a stack itself (blocks
     # mixed with an embedding in one Sequential): those children may be the blocks, and the
     # stacks their expert lists. Undecidable from structure alone.

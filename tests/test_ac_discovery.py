@@ -184,6 +184,18 @@ def hunyuan_video():
     return root
 
 
+class TextProjection(nn.Module):  # one layer in a wrapper
+    def __init__(self):
+        super().__init__()
+        self.linear = lin()
+
+
+def hidream():
+    root = flux()
+    root.caption_projection = nn.ModuleList(TextProjection() for _ in range(3))
+    return root
+
+
 def names(path, n):
     return [f"{path}.{i}" for i in range(n)]
 
@@ -211,6 +223,14 @@ LAYOUTS = {
     "one-layer T5": (lambda: _one_layer_t5(), ["encoder.block.0", "decoder.block.0"]),
     "Flux": (flux, names("transformer_blocks", 2) + names("single_transformer_blocks", 3)),
     "Wan": (wan, names("blocks", 2)),
+    "HiDream (a list of one-layer projections too)": (
+        hidream,
+        names("transformer_blocks", 2) + names("single_transformer_blocks", 3),
+    ),
+    "toy model of one-layer blocks": (
+        lambda: nn.Sequential(TextProjection(), TextProjection()),
+        ["0", "1"],
+    ),
     "HunyuanVideo": (
         hunyuan_video,
         names("context_embedder.token_refiner.refiner_blocks", 2)

@@ -31,11 +31,11 @@ class KwargBlock(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.lin = nn.Linear(4, 4)
+        self.lin, self.norm = nn.Linear(4, 4), nn.LayerNorm(4)
 
     def forward(self, x, *, scale, preserve_rng_state=False, **flags):
         assert sorted(flags) == sorted(KWARGS), flags
-        out = torch.tanh(self.lin(x)) * scale
+        out = torch.tanh(self.lin(self.norm(x))) * scale
         return out * 2 if preserve_rng_state and flags["debug"] == "yes" else out
 
 
@@ -243,11 +243,11 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.up = nn.Parameter(torch.randn(2, 8, 16) / 4)
         self.down = nn.Parameter(torch.randn(2, 16, 8) / 4)
-        self.norm = nn.LayerNorm(8)
+        self.norm, self.act = nn.LayerNorm(8), nn.ReLU()
 
     def forward(self, x):
         offs = torch.tensor([3, 6], dtype=torch.int32)  # tokens 0-2 to expert 0, 3-5 to expert 1
-        h = torch.relu(torch._grouped_mm(self.norm(x), self.up, offs=offs))
+        h = self.act(torch._grouped_mm(self.norm(x), self.up, offs=offs))
         return x + torch._grouped_mm(h, self.down, offs=offs)
 
 
