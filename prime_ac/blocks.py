@@ -84,6 +84,8 @@ class _CheckpointedBlock(nn.Module):
                 "sharing code would share one plan). Run these blocks eagerly, or compile with "
                 "explicit targets (and torch._functorch.config.activation_memory_budget)."
             )
+        if torch.is_grad_enabled():
+            _refuse_kv_cache(state.name, kwargs)
         # args and kwargs travel as one value each, so none of the block's own keyword arguments
         # (use_reentrant=, context_fn=, debug=, ...) can be taken for checkpoint's.
         return checkpoint(
@@ -95,6 +97,27 @@ class _CheckpointedBlock(nn.Module):
             context_fn=state.context_fn,
             preserve_rng_state=state.preserve_rng_state,
         )
+
+
+# The keyword names under which transformers passes a layer its KV / state cache: ``cache`` (5.2x)
+# and the older names its own GradientCheckpointingLayer checks.
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past", "cache_params")
+
+
+def _refuse_kv_cache(name: str, kwargs: dict[str, Any]) -> None:
+    """A cache the forward fills would be filled again by the recompute (entries appended twice,
+    positions shifted): refuse before running instead of failing, or silently growing, later.
+    Tensors and tuples are read, never filled, so they pass."""
+    for key in _CACHE_KWARGS:
+        cache = kwargs.get(key)
+        if cache is not None and not isinstance(cache, (torch.Tensor, tuple)):
+            raise ValueError(
+                f"prime_ac: checkpointed block {name!r} got {key}={type(cache).__name__} with "
+                "gradients enabled. The forward fills this cache and the recompute in backward "
+                "would fill it again. Train with use_cache=False (model(..., use_cache=False) or "
+                "model.config.use_cache = False), or call the model under torch.no_grad() for "
+                "generation."
+            )
 
 
 # One wrapper class per block class, created once and reused so that blocks of one class share

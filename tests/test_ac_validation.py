@@ -282,3 +282,42 @@ def test_a_failing_profile_keeps_the_scope_hooks_of_blocks_it_would_drop():
         )
     assert _state(model) == before
     assert [len(layer.proj._forward_pre_hooks) for layer in model.layers] == hooks
+
+
+class CachedBlock(nn.Module):
+    """Appends its keys to a cache and attends over it, as a KV-cache update does."""
+
+    def __init__(self):
+        super().__init__()
+        self.k, self.o = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x, cache=None):
+        keys = self.k(x)
+        if isinstance(cache, list):
+            cache.append(keys)
+            keys = torch.cat(cache)
+        return self.o((x @ keys.T).softmax(-1) @ keys)
+
+
+class CachedModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(CachedBlock() for _ in range(2))
+
+    def forward(self, x, caches):
+        for layer, cache in zip(self.layers, caches, strict=True):
+            x = layer(x, cache=cache)
+        return x.sum()
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_a_cache_filled_in_training_is_refused_up_front(mode):
+    model, x = CachedModel(), torch.randn(3, 4)
+    prime_ac.checkpoint_blocks(model, mode=mode)
+    caches = [[], []]
+    with pytest.raises(ValueError, match=r"'layers.0' got cache=list.*use_cache=False"):
+        model(x, caches)
+    assert caches == [[], []]  # refused before the block ran
+    with torch.no_grad():  # generation: nothing is recomputed
+        model(x, caches)
+    model(x, [None, None]).backward()  # no cache: trains
