@@ -28,7 +28,7 @@ from prime_ac.blocks import (
     wrapped_blocks,
 )
 from prime_ac.contexts import PASS, KeepMode, RegionCache, ReplayMode
-from prime_ac.measure import operator_flops, track_step
+from prime_ac.measure import operator_flops, track_step_by_device
 from prime_ac.policy import HOST_SYNC, MANDATORY
 from prime_ac.scopes import ScopeTracker
 from prime_ac.targets import TargetSet, operator_key
@@ -95,6 +95,10 @@ class AuditReport:
     replayed_flops: int
     replayed_ops: int
     calls: dict[str, list[CallRecord]] = field(default_factory=dict, repr=False)
+    # ``held_bytes`` split per device ("cuda:0", "cpu"): saved-tensor offloading moves bytes
+    # from the accelerator to the host; kept outputs of selective regions stay where they were
+    held_bytes_by_device: dict[str, int] = field(default_factory=dict)
+    held_bytes_no_ac_by_device: dict[str, int] = field(default_factory=dict)
 
     def block_kept_bytes(self) -> dict[str, int]:
         kept: dict[str, int] = defaultdict(int)
@@ -168,6 +172,17 @@ class AuditReport:
             "",
             f"held for backward: {_mib(self.held_bytes)} of {_mib(self.held_bytes_no_ac)} without "
             f"AC ({self.held_bytes / max(self.held_bytes_no_ac, 1):.1%})",
+            "held per device: "
+            + (
+                ", ".join(
+                    f"{device} {_mib(self.held_bytes_by_device.get(device, 0))} of "
+                    f"{_mib(self.held_bytes_no_ac_by_device.get(device, 0))}"
+                    for device in sorted(
+                        {*self.held_bytes_by_device, *self.held_bytes_no_ac_by_device}
+                    )
+                )
+                or "none"
+            ),
             f"replayed: {self.replayed_ops} operator calls, {self.replayed_flops / 1e6:.2f} MFLOP "
             f"({self.replayed_flops / max(self.forward_flops, 1):.1%} of one forward)",
             "targets that matched nothing: " + (", ".join(self.unmatched_targets) or "none"),
@@ -314,10 +329,10 @@ def audit(model: nn.Module, loss_fn: LossFn) -> AuditReport:
     blocks = _checkpointed_blocks(model)
     with _grads_preserved(model):
         with checkpointing_disabled(model):
-            held_none, forward_flops = track_step(model, loss_fn)
+            held_none, forward_flops = track_step_by_device(model, loss_fn)
         recorder = _Recorder()
         with _recording(blocks, recorder), recorder.scopes.tracking(b for _, b in blocks):
-            held, _ = track_step(model, loss_fn)
+            held, _ = track_step_by_device(model, loss_fn)
     state = checkpoint_state(blocks[0][1])
     policy = state.policy
     mode = "auto" if state.plan is not None else policy.mode
@@ -334,10 +349,12 @@ def audit(model: nn.Module, loss_fn: LossFn) -> AuditReport:
         blocks=[name for name, _ in blocks],
         ops=ops,
         unmatched_targets=unmatched,
-        held_bytes=held,
-        held_bytes_no_ac=held_none,
+        held_bytes=sum(held.values()),
+        held_bytes_no_ac=sum(held_none.values()),
         forward_flops=forward_flops,
         replayed_flops=sum(r.replayed_flops for r in ops),
         replayed_ops=sum(r.replays for r in ops),
         calls=dict(recorder.calls),
+        held_bytes_by_device=held,
+        held_bytes_no_ac_by_device=held_none,
     )

@@ -28,6 +28,7 @@ __all__ = [
     "operator_flops",
     "storages",
     "track_step",
+    "track_step_by_device",
 ]
 
 
@@ -139,9 +140,21 @@ class StorageTracker(TorchDispatchMode):
                 self._storages.pop(storage.data_ptr(), None)
 
     def held_bytes(self) -> int:
+        return sum(self.held_bytes_by_device().values())
+
+    def held_bytes_by_device(self) -> dict[str, int]:
+        """Held bytes per device (``"cuda:0"``, ``"cpu"``): activation offloading moves bytes
+        from the accelerator to the host, which one total would hide. Storages a saved-tensor
+        hook creates (``save_on_cpu``'s host copies) count where they live; data a hook moves
+        out of torch storages (to disk, to a foreign buffer) no longer counts."""
         gc.collect()
-        alive = (ref() for ref in self._storages.values())
-        return sum(s.nbytes() for s in alive if s is not None)
+        held: dict[str, int] = {}
+        for ref in self._storages.values():
+            storage = ref()
+            if storage is not None:
+                device = str(storage.device)
+                held[device] = held.get(device, 0) + storage.nbytes()
+        return dict(sorted(held.items()))
 
 
 class OpCounter(TorchDispatchMode):
@@ -173,6 +186,17 @@ class StepStats:
 def track_step(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor]) -> tuple[int, int]:
     """Run one step; return (bytes held when backward starts, FLOPs of the forward).
 
+    :func:`track_step_by_device` splits the held bytes per device.
+    """
+    held, flops = track_step_by_device(model, loss_fn)
+    return sum(held.values()), flops
+
+
+def track_step_by_device(
+    model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor]
+) -> tuple[dict[str, int], int]:
+    """Run one step; return (bytes held when backward starts per device, FLOPs of the forward).
+
     Held bytes are the storages the forward created that are still alive once it returns, the
     loss itself excluded: what the model keeps for backward, under any checkpoint policy.
     Parameters never count, whether they existed before (sharded or not) or were gathered during
@@ -187,7 +211,7 @@ def track_step(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor]) -
             f"loss_fn must return the loss tensor to run backward on, got {type(loss).__name__}"
         )
     tracker.forget([loss, *model.parameters(), *model.buffers()])
-    held = tracker.held_bytes()
+    held = tracker.held_bytes_by_device()
     loss.backward()
     return held, counter.flops
 
