@@ -1,0 +1,157 @@
+"""prime_ac with saved-tensor offloading, and with FSDP2's all-gathers.
+
+Offloading: the audit splits held bytes per device, so a saved-tensor hook that moves saved
+tensors off a device shows up in that device's figure. The hook here moves each saved tensor
+out of torch's storages (into Python bytes) and back: everything autograd saves leaves the
+figure, and what selective AC keeps inside a region stays, because kept outputs live in the
+region's own cache and never pass through saved-tensor hooks (docs/checkpointing.md,
+"Offloading"). Gradients stay bitwise equal to the model without AC.
+
+FSDP2: on 2 gloo ranks, the all-gathers of one training step are counted per checkpoint mode
+and ``reshard_after_forward`` setting; full AC adds none.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from ac_models import CountingModel, assert_bitwise_equal, grads
+
+import prime_ac
+
+
+class _ToBytes:
+    """A saved-tensor hook pair that takes each saved tensor's data out of torch storages."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []  # storage addresses of the tensors autograd saved
+
+    def pack(self, t: torch.Tensor):
+        self.seen.append(t.untyped_storage().data_ptr())
+        data = t.data if t.is_contiguous() else t.data.contiguous()
+        return data.numpy().tobytes(), data.dtype, data.shape, t.requires_grad
+
+    @staticmethod
+    def unpack(packed) -> torch.Tensor:
+        raw, dtype, shape, _ = packed
+        if not raw:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(bytearray(raw), dtype=dtype).view(shape)
+
+
+def _offloaded(loss_fn, hooks: _ToBytes):
+    def run(model):
+        with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+            return loss_fn(model)
+
+    return run
+
+
+def test_offloading_moves_saved_tensors_out_of_the_device_figure_but_not_kept_outputs():
+    torch.manual_seed(0)
+    base, x = CountingModel(), torch.randn(16, 8)
+
+    def loss(m):
+        return m(x * 1.0)  # the batch is made in the step, as on a device
+
+    plain = copy.deepcopy(base)
+    loss(plain).backward()
+    expected = grads(plain)
+
+    reports = {}
+    for mode, targets in (("full", None), ("selective", ["prime_ac_test"])):
+        model = copy.deepcopy(base)
+        prime_ac.checkpoint_blocks(model, mode=mode, targets=targets)
+        reports[mode] = report = prime_ac.audit(model, _offloaded(loss, _ToBytes()))
+        # the baseline without AC offloads every saved tensor: nothing stays in torch storages
+        assert report.held_bytes_no_ac_by_device == {}
+        assert report.held_bytes == sum(report.held_bytes_by_device.values())
+        model.zero_grad(set_to_none=True)
+        _offloaded(loss, _ToBytes())(model).backward()
+        assert_bitwise_equal(grads(model), expected)
+
+    # selective holds what full holds plus exactly what its regions kept: the hooks never saw it
+    kept = sum(reports["selective"].block_kept_bytes().values())
+    assert kept > 0
+    held = {mode: r.held_bytes_by_device["cpu"] for mode, r in reports.items()}
+    assert held["selective"] - held["full"] == kept
+    without_hooks = prime_ac.audit(model, loss)
+    assert without_hooks.held_bytes_by_device["cpu"] > held["selective"]
+    assert without_hooks.held_bytes_no_ac_by_device["cpu"] > 0
+    assert "held per device: cpu" in str(without_hooks)
+
+
+def _count_all_gathers(counts: dict[str, int], phase: list[str]):
+    """Count FSDP2's all-gathers per phase: it calls them through ``torch.distributed``."""
+    import torch.distributed as dist
+
+    for name in ("all_gather_single", "all_gather_into_tensor"):
+        original = getattr(dist, name, None)
+        if original is None:
+            continue
+
+        def counted(*args, _original=original, **kwargs):
+            counts[phase[0]] += 1
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, counted)
+
+
+def _all_gather_body(rank: int, world_size: int, results) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    from prime_ac.models import build_model
+
+    counts: dict[str, int] = {}
+    phase = ["forward"]
+    _count_all_gathers(counts, phase)
+    tokens = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    base = build_model("moe", n_layers=2)
+    table = {}
+    for reshard in (True, False):
+        reference = None
+        for mode in ("none", "full", "selective"):
+            model = copy.deepcopy(base)
+            if mode != "none":
+                prime_ac.checkpoint_blocks(model, mode=mode)
+            for layer in model.layers:
+                fully_shard(layer, reshard_after_forward=reshard)
+            fully_shard(model, reshard_after_forward=reshard)
+            counts.update(forward=0, backward=0)
+            phase[0] = "forward"
+            loss = model.loss(tokens)
+            phase[0] = "backward"
+            loss.backward()
+            table[(mode, reshard)] = (counts["forward"], counts["backward"])
+            local = {n: p.grad.to_local() for n, p in model.named_parameters()}
+            if reference is None:
+                reference = local
+            else:
+                assert_bitwise_equal(local, reference)
+    results.put((rank, table))
+
+
+@pytest.mark.slow
+def test_full_ac_adds_no_fsdp2_all_gathers():
+    """Per mode and reshard_after_forward: the recompute runs inside the block's backward, after
+    FSDP's pre-backward all-gather, so checkpointing gathers nothing more (docs: "With
+    torch.compile and FSDP")."""
+    import torch.multiprocessing as mp
+
+    from tests.dist_utils import run_distributed
+
+    results = mp.get_context("forkserver").SimpleQueue()
+    run_distributed(_all_gather_body, 2, results, timeout=120)
+    tables = dict(results.get() for _ in range(2))
+    assert tables[0] == tables[1]
+    table = tables[0]
+    for reshard in (True, False):
+        assert table[("full", reshard)] == table[("none", reshard)]
+        assert table[("selective", reshard)] == table[("none", reshard)]
+    # 3 FSDP groups (2 layers, the root) gather in the forward; resharded after it (the root
+    # too, being told so), each gathers once more in the backward
+    assert table[("none", True)] == (3, 3)
+    assert table[("none", False)] == (3, 0)
