@@ -66,7 +66,7 @@ class BlockCheckpoint:
     original_class: type | None = None  # filled in by wrap_block
 
 
-def _call(forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+def _call(forward: Callable[..., Any], kwargs: dict, *args: Any) -> Any:
     return forward(*args, **kwargs)
 
 
@@ -86,13 +86,15 @@ class _CheckpointedBlock(nn.Module):
             )
         if torch.is_grad_enabled():
             _refuse_kv_cache(state.name, kwargs)
-        # args and kwargs travel as one value each, so none of the block's own keyword arguments
-        # (use_reentrant=, context_fn=, debug=, ...) can be taken for checkpoint's.
+        # kwargs travel as one value, so none of the block's own keyword arguments (use_reentrant=,
+        # context_fn=, debug=, ...) can be taken for checkpoint's. Positional tensors travel as
+        # checkpoint's own inputs, which it saves through the saved-tensor hooks in effect
+        # (save_on_cpu offloads them); tensors inside kwargs are held by reference.
         return checkpoint(
             _call,
             super().forward,
-            args,
             kwargs,
+            *args,
             use_reentrant=False,
             context_fn=state.context_fn,
             preserve_rng_state=state.preserve_rng_state,
