@@ -4,7 +4,7 @@
 installed; kernel libraries are imported on the first real call. prime_ops never imports prime_ac.
 """
 
-from prime_ops import attn, collectives, deepep, expert_parallel, fp8, moe, mxfp8, quack
+from prime_ops import attn, collectives, deepep, expert_parallel, fp8, moe, mxfp8, native, quack
 from prime_ops.backends import BackendUnavailable
 
 __all__ = [
@@ -16,5 +16,6 @@ __all__ = [
     "fp8",
     "moe",
     "mxfp8",
+    "native",
     "quack",
 ]

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from prime_ops import native
 from prime_ops.collectives import all_to_all_single, all_to_all_single_equal
 from prime_ops.moe import record_moe_routing_statistics
 from prime_ops.mxfp8 import mxfp8_all_to_all_single
@@ -160,12 +161,21 @@ class ExpertParallelMoE(nn.Module):
             record_moe_routing_statistics(
                 self.tokens_per_expert, self.routing_confidence_sum, counts, weights.sum()
             )
-        # One row per (token, slot), sorted by expert so each expert's rows are contiguous.
-        order = torch.argsort(experts.flatten(), stable=True)
+        # One row per (token, slot), sorted by expert so each expert's rows are contiguous:
+        # one prime_rl::moe_permute / moe_unpermute each when the native kernels are built
+        # (the same values; see docs/native.md), else the eager chain.
+        fused = native.has_kernel("moe_permute", x.device)
+        if fused:
+            x_sorted, row_map, _ = native.moe_permute(x, experts, self.num_experts)
+        else:
+            order = torch.argsort(experts.flatten(), stable=True)
+            x_sorted = x[order // self.top_k]
         rows, rows_per_expert, plan = dispatch(
-            x[order // self.top_k], counts, self.ep_group, mxfp8=self.mxfp8_transport
+            x_sorted, counts, self.ep_group, mxfp8=self.mxfp8_transport
         )
         rows = combine(self._experts(rows, rows_per_expert), plan)
+        if fused:
+            return native.moe_unpermute(rows, row_map, weights.to(rows.dtype)).reshape(shape)
         slots = torch.empty_like(rows).index_copy(0, order, rows).view(-1, self.top_k, shape[-1])
         out = (slots * weights.unsqueeze(-1).to(slots.dtype)).sum(1)
         return out.reshape(shape)

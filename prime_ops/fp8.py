@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from prime_ops import native
 from prime_ops.backends import import_backend
 from prime_ops.devices import check_same_device
 from prime_ops.grouped import check_offsets_meta, check_offsets_values
@@ -96,6 +97,9 @@ def quantize_blockwise(
         raise ValueError(f"block_rows must be 1 or {BLOCK}, got {block_rows}")
     if t.dim() != 2:
         raise ValueError(f"quantize_blockwise expects a 2-D tensor, got shape {tuple(t.shape)}")
+    if t.dtype in _HIGH_PRECISION and native.has_kernel("quantize_fp8_blockwise", t.device):
+        # one fused pass, bit-identical to the chain below (tests/test_native.py)
+        return native.quantize_fp8_blockwise(t, block_rows, "ue8m0" if ue8m0 else "fp32")
     rows, cols = t.shape
     pr = (-rows) % block_rows
     pc = (-cols) % BLOCK

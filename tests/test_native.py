@@ -360,10 +360,12 @@ def test_quantize_rounds_like_torch_on_every_fp8_step():
 
 
 @pytest.mark.parametrize("scale_format", ["fp32", "ue8m0"])
-def test_quantize_equals_prime_ops_fp8_recipe(gen, scale_format):
-    """Bitwise what prime_ops.fp8.quantize_blockwise (the GEMM ops' chain) produces."""
+def test_quantize_equals_prime_ops_fp8_recipe(gen, scale_format, monkeypatch):
+    """Bitwise what prime_ops.fp8.quantize_blockwise's eager chain produces (the FP8 GEMM ops
+    call the native op instead when it is built)."""
     from prime_ops.fp8 import quantize_blockwise
 
+    monkeypatch.setattr(native, "has_kernel", lambda name, device: False)
     for block_rows in (1, 128):
         x = torch.randn(130, 260, generator=gen, dtype=torch.bfloat16) * 100
         if scale_format == "fp32":  # a NaN block: NaN scale and codes (the chain's UE8M0
@@ -384,6 +386,57 @@ def test_quantize_edge_cases_and_errors():
     x = torch.ones(2, 128, requires_grad=True)
     q, scale = native.quantize_fp8_blockwise(x)
     assert not q.requires_grad and not scale.requires_grad
+
+
+# --- the callers: reference EP layer, ring attention's merge, FP8 quantisation -------------------
+
+
+def _eager_chains(monkeypatch):
+    monkeypatch.setattr(native, "has_kernel", lambda name, device: False)
+
+
+def test_expert_parallel_layer_matches_its_eager_chain(monkeypatch):
+    """Same forward bits and expert-weight gradients in fp32; the router's gradient goes through
+    the topk_weights dot product, summed in another order (last bits)."""
+    from prime_ops.expert_parallel import ExpertParallelMoE
+
+    torch.manual_seed(0)
+    moe = ExpertParallelMoE(16, 24, 6, 2)
+    x = torch.randn(3, 10, 16, requires_grad=True)
+    seen = []
+
+    def run():
+        out = moe(x)
+        return (out, *torch.autograd.grad(out.square().sum(), [x, *moe.parameters()]))
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.name())
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        fused = run()
+    assert "prime_rl::moe_permute" in seen and "prime_rl::moe_unpermute" in seen
+    _eager_chains(monkeypatch)
+    chain = run()
+    names = ["out", "x", *(n for n, _ in moe.named_parameters())]
+    for name, a, b in zip(names, fused, chain, strict=True):
+        if name in ("out", "w_gate", "w_up", "w_down"):
+            assert torch.equal(a, b), name
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_ring_merge_matches_its_eager_chain(gen, monkeypatch):
+    from prime_ops.attn.ring import merge_partial
+
+    out_a, lse_a, out_b, lse_b = _states(gen)
+    fused = merge_partial(out_a, lse_a, out_b.bfloat16(), lse_b)
+    _eager_chains(monkeypatch)
+    chain = merge_partial(out_a, lse_a, out_b.bfloat16(), lse_b)
+    for a, b in zip(fused, chain, strict=True):  # libm's exp/log1p vs torch's vectorised ones
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert fused[1][0, 1:3].eq(float("-inf")).all() and fused[0][1:3, 0].eq(0).all()
 
 
 # --- op contract: opcheck, one operator per op, a missing build ----------------------------------

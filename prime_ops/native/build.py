@@ -19,6 +19,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -171,7 +172,7 @@ def check_cuda_sources(out_dir: Path | None = None) -> list[Path]:
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         raise FileNotFoundError("nvcc is not on the PATH; install the CUDA toolkit")
-    out_dir = out_dir or cache_dir(True) / "check"
+    out_dir = out_dir or Path(tempfile.mkdtemp(prefix="prime_ops_cuda_check_"))
     out_dir.mkdir(parents=True, exist_ok=True)
     includes = [f"-I{p}" for p in include_paths()]
     jobs = []
