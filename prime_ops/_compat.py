@@ -18,6 +18,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 __all__ = [
+    "COMPILE_NEEDS_DYNAMIC_OUTPUT_SHAPE_OPS",
     "all_gather_single",
     "assert_async",
     "is_fake",
@@ -40,6 +41,13 @@ assert_async = torch._assert_async
 # check: the new public names where they exist, the old public names on torch 2.9-2.12.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# A custom op whose fake allocates a data-dependent size (all_to_all_single with tensor splits)
+# compiles with fullgraph=True only if torch._dynamo.config.capture_dynamic_output_shape_ops is
+# True on torch 2.9; from 2.10 fullgraph=True turns it on (pytorch/pytorch#163123). Checked on
+# 2.9.1 (refused) and 2.13.0 / 2.14.1 (traced). Without fullgraph the op graph-breaks on every
+# version unless the flag is set. Public (documented) flag; version check since it is a default.
+COMPILE_NEEDS_DYNAMIC_OUTPUT_SHAPE_OPS = torch.__version__ < (2, 10)
 
 
 def registered_op_names() -> set[str]:

@@ -20,6 +20,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import prime_ops  # noqa: F401  (registers the ops)
 from prime_ops import collectives as C
+from prime_ops._compat import COMPILE_NEEDS_DYNAMIC_OUTPUT_SHAPE_OPS
 from prime_ops.attn import ring_attention
 from prime_ops.groups import CHECK_ENV
 
@@ -330,8 +331,12 @@ def _compile_body(rank, world):
     x = torch.randn(4, 4, requires_grad=True)
     y = torch.randn(4, 2, requires_grad=True)
     send = recv = torch.tensor([3, 1]) if rank == 0 else torch.tensor([1, 3])
-    compiled = torch.compile(_uses_every_op, fullgraph=True)
-    got = compiled(x, y, send, recv, dist.group.WORLD)
+    # torch 2.9 traces a data-dependent output size only when asked (docs/collectives.md)
+    with torch._dynamo.config.patch(
+        capture_dynamic_output_shape_ops=COMPILE_NEEDS_DYNAMIC_OUTPUT_SHAPE_OPS
+    ):
+        compiled = torch.compile(_uses_every_op, fullgraph=True)
+        got = compiled(x, y, send, recv, dist.group.WORLD)
     assert counters["stats"]["unique_graphs"] == 1
     got_grads = torch.autograd.grad(sum(o.sum() for o in got), (x, y))
     want = _uses_every_op(x, y, send, recv, dist.group.WORLD)
