@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 __all__ = [
+    "FSDP_ALL_GATHER_COPY_IN",
     "SAC_IGNORED_OPS",
     "DispatchMode",
     "HigherOrderOperator",
@@ -43,6 +44,14 @@ __all__ = [
     "version",
     "written_arguments",
 ]
+
+# FSDP2 (fully_shard) passes each all-gather's flat output buffer through this op of its private
+# "fsdp" namespace (torch 2.9-2.14). The buffer is communication scratch, never an activation, but
+# it can outlive the forward: on torch 2.9.1 with gloo it was still alive, though FSDP had dropped
+# it, when about one forward in ten returned (the audit then counted it as held). Named as a
+# string, so a torch without the op never matches. Public replacement: none (fully_shard exposes
+# no hook for its buffers).
+FSDP_ALL_GATHER_COPY_IN = "fsdp::all_gather_copy_in"
 
 # torch.ops.<ns>.<op>.<overload> objects. Public replacement: none (the types live in torch._ops
 # in every release 2.9-2.14).

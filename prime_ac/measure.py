@@ -18,7 +18,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from prime_ac._compat import TorchDispatchMode, is_traceable_wrapper_subclass, tree_leaves
+from prime_ac._compat import (
+    FSDP_ALL_GATHER_COPY_IN,
+    OpOverload,
+    TorchDispatchMode,
+    is_traceable_wrapper_subclass,
+    tree_leaves,
+)
 
 __all__ = [
     "OpCounter",
@@ -124,6 +130,11 @@ class StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if isinstance(func, OpOverload) and func.name() == FSDP_ALL_GATHER_COPY_IN:
+            # FSDP2's all-gather buffer: scratch that a finished collective may still hold
+            self.forget(out)
+            self.exclude(out)
+            return out
         for leaf in tree_leaves(out):
             for storage in storages(leaf) if isinstance(leaf, torch.Tensor) else ():
                 ptr = storage.data_ptr()
@@ -202,7 +213,7 @@ def track_step_by_device(
     Held bytes are the storages the forward created that are still alive once it returns, the
     loss itself excluded: what the model keeps for backward, under any checkpoint policy.
     Parameters never count, whether they existed before (sharded or not) or were gathered during
-    the forward (FSDP2 modules not resharded after it).
+    the forward (FSDP2 modules not resharded after it), nor do FSDP2's all-gather buffers.
     """
     tracker, counter = StorageTracker(), OpCounter()
     tracker.exclude([*model.parameters(), *model.buffers()])
