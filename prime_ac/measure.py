@@ -158,8 +158,9 @@ class StorageTracker(TorchDispatchMode):
         from the accelerator to the host, which one total would hide. Storages a saved-tensor
         hook creates (``save_on_cpu``'s host copies) count where they live; data a hook moves
         out of torch storages (to disk, to a foreign buffer) no longer counts. Empty storages
-        hold nothing and name no device: torch 2.9's checkpoint (not 2.13's) makes a 0-element tensor per
-        checkpointed call (``_NoopSaveInputs``'s output), which must not add a ``"cpu": 0``."""
+        hold nothing and name no device: torch 2.9's checkpoint (not 2.13's) makes a 0-element
+        tensor per checkpointed call (``_NoopSaveInputs``'s output), which must not add a
+        ``"cpu": 0``."""
         gc.collect()
         held: dict[str, int] = {}
         for ref in self._storages.values():
