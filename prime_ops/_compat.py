@@ -2,8 +2,10 @@
 
 prime_ops supports torch 2.9 to 2.14. Each name below says which releases need it and which
 public API would replace it; the rest of prime_ops imports these names from here and nowhere else,
-so a torch upgrade that moves one of them breaks this file only. No prime_ops feature needs a
-torch newer than 2.9, so none is gated on the version. This module imports torch only.
+so a torch upgrade that moves one of them breaks this file only. The Python ops work on every
+supported release; only the native kernels (:mod:`prime_ops.native`, LibTorch stable ABI) need
+2.10, and one compile setting differs on 2.9 (``COMPILE_NEEDS_DYNAMIC_OUTPUT_SHAPE_OPS``). This
+module imports torch only.
 """
 
 from __future__ import annotations
