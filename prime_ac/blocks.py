@@ -17,6 +17,7 @@ These are the primitives; :func:`prime_ac.checkpoint_blocks` decides what to wra
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -85,7 +86,7 @@ class _CheckpointedBlock(nn.Module):
                 "explicit targets (and torch._functorch.config.activation_memory_budget)."
             )
         if torch.is_grad_enabled():
-            _refuse_kv_cache(state.name, kwargs)
+            kwargs = _without_empty_kv_cache(state.name, kwargs)
         # kwargs travel as one value, so none of the block's own keyword arguments (use_reentrant=,
         # context_fn=, debug=, ...) can be taken for checkpoint's. Positional tensors travel as
         # checkpoint's own inputs, which it saves through the saved-tensor hooks in effect
@@ -106,20 +107,40 @@ class _CheckpointedBlock(nn.Module):
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past", "cache_params")
 
 
-def _refuse_kv_cache(name: str, kwargs: dict[str, Any]) -> None:
-    """A cache the forward fills would be filled again by the recompute (entries appended twice,
-    positions shifted): refuse before running instead of failing, or silently growing, later.
-    Tensors and tuples are read, never filled, so they pass."""
+def _without_empty_kv_cache(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The block's kwargs with an empty KV cache left out, or ValueError for a filled one.
+
+    A cache the forward fills would be filled again by the recompute (entries appended twice,
+    positions shifted). An empty one (``get_seq_length() == 0``: a training call of a model left at
+    ``use_cache=True``) carries nothing the block reads, so the block runs without it, as
+    transformers' own gradient checkpointing does by turning the cache off; block 0 is always
+    checkpointed, so the length never counts a checkpointed block's own entries. A cache that
+    already holds entries (a prefix) would be read, so it is refused. Tensors and tuples are read,
+    never filled, so they pass.
+    """
     for key in _CACHE_KWARGS:
         cache = kwargs.get(key)
-        if cache is not None and not isinstance(cache, (torch.Tensor, tuple)):
-            raise ValueError(
-                f"prime_ac: checkpointed block {name!r} got {key}={type(cache).__name__} with "
-                "gradients enabled. The forward fills this cache and the recompute in backward "
-                "would fill it again. Train with use_cache=False (model(..., use_cache=False) or "
-                "model.config.use_cache = False), or call the model under torch.no_grad() for "
-                "generation."
+        if cache is None or isinstance(cache, (torch.Tensor, tuple)):
+            continue
+        length = getattr(cache, "get_seq_length", None)
+        if callable(length) and length() == 0:
+            warnings.warn(
+                f"prime_ac: checkpointed block {name!r} runs without its empty {key} "
+                f"({type(cache).__name__}) in training, as transformers' gradient checkpointing "
+                "does; pass use_cache=False to the model to silence this",
+                stacklevel=3,
             )
+            kwargs = {**kwargs, key: None}
+            continue
+        raise ValueError(
+            f"prime_ac: checkpointed block {name!r} got {key}={type(cache).__name__} with "
+            "gradients enabled, and it is not an empty cache (get_seq_length() == 0) that the "
+            "block could run without. The forward fills this cache and the recompute in backward "
+            "would fill it again. Train with use_cache=False (model(..., use_cache=False) or "
+            "model.config.use_cache = False), or call the model under torch.no_grad() for "
+            "generation."
+        )
+    return kwargs
 
 
 # One wrapper class per block class, created once and reused so that blocks of one class share

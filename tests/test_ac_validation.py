@@ -321,3 +321,30 @@ def test_a_cache_filled_in_training_is_refused_up_front(mode):
     with torch.no_grad():  # generation: nothing is recomputed
         model(x, caches)
     model(x, [None, None]).backward()  # no cache: trains
+
+
+class EmptyOrFilledCache(list):
+    """A list-backed cache with transformers' ``get_seq_length`` (0 while empty)."""
+
+    def get_seq_length(self) -> int:
+        return sum(len(keys) for keys in self)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_an_empty_cache_in_training_is_left_out_and_a_filled_one_refused(mode):
+    """transformers' own checkpointing turns an unused training cache off; prime_ac runs the
+    block without an empty one (gradients as without AC) and refuses one that holds entries."""
+    torch.manual_seed(0)
+    plain, x = CachedModel(), torch.randn(3, 4)
+    model = copy.deepcopy(plain)
+    prime_ac.checkpoint_blocks(model, mode=mode)
+    plain(x, [None, None]).backward()
+    caches = [EmptyOrFilledCache(), EmptyOrFilledCache()]
+    with pytest.warns(UserWarning, match=r"'layers.0' runs without its empty cache.*use_cache"):
+        model(x, caches).backward()
+    assert caches == [[], []]  # the blocks ran without the cache, so nothing was appended
+    for p, q in zip(plain.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    filled = [EmptyOrFilledCache([torch.randn(3, 4)]), EmptyOrFilledCache()]
+    with pytest.raises(ValueError, match=r"'layers.0' got cache=EmptyOrFilledCache.*use_cache"):
+        model(x, filled)
