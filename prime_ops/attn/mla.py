@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from prime_ops.backends import import_backend
+from prime_ops.devices import check_same_device
 
 __all__ = [
     "BACKENDS",
@@ -315,11 +316,7 @@ def check_arguments(
         )
     if not math.isfinite(softmax_scale):
         raise ValueError(f"softmax_scale must be finite; got {softmax_scale}")
-    devices = {t.device for t in (q, kv, indices)}
-    if len(devices) != 1:
-        raise ValueError(
-            f"q, kv and indices must be on one device; got {sorted(map(str, devices))}"
-        )
+    check_same_device("prime_rl::sparse_mla", q=q, kv=kv, indices=indices)
     if q.dtype != kv.dtype:
         raise ValueError(f"q and kv must share a dtype; got {q.dtype} and {kv.dtype}")
     device = q.device.type

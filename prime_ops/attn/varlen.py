@@ -25,6 +25,7 @@ from torch import Tensor
 
 from prime_ops.attn import flash, sdpa
 from prime_ops.attn.seqlens import can_read, spans
+from prime_ops.devices import check_same_device
 
 __all__ = ["BACKENDS", "OPS", "Backend", "check_arguments", "get_backend", "varlen_attention"]
 
@@ -141,13 +142,7 @@ def check_arguments(
     named = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
     if grads is not None:
         named.update(zip(("dout", "out", "lse"), grads, strict=True))
-    devices = {str(t.device) for t in named.values()}
-    if len(devices) != 1:
-        where = ", ".join(f"{name} on {t.device}" for name, t in named.items())
-        raise ValueError(
-            f"every tensor of an attention call must be on one device; got {where}. Move them "
-            "with .to(q.device)"
-        )
+    check_same_device(f"prime_rl_attn::{backend.op}_varlen", **named)
     device = q.device.type
     if backend.device_types is not None and device not in (*backend.device_types, "meta"):
         raise ValueError(
