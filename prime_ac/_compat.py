@@ -24,18 +24,28 @@ __all__ = [
     "FSDP_ALL_GATHER_COPY_IN",
     "SAC_IGNORED_OPS",
     "DispatchMode",
+    "INTERCEPT_KEY",
+    "INTERCEPT_KEY_NAME",
     "HigherOrderOperator",
     "OpOverload",
     "TorchDispatchMode",
     "detach",
+    "dispatch_mode_active",
     "dispatch_op_names",
+    "excluding_intercept_key",
+    "has_composite_and_backend_kernels",
+    "hop_registry_size",
+    "intercept_key_taken",
     "is_composite_implicit",
     "is_traceable_wrapper_subclass",
     "is_tracing",
     "operator_parts",
     "redirect_hops",
     "sac_context",
+    "sac_hops",
     "schema_is_mutable",
+    "schema_of",
+    "set_intercept_key_included",
     "set_eval_frame",
     "storage_id",
     "tree_flatten",
@@ -236,3 +246,67 @@ def operator_parts(op: Any) -> tuple[str, str, str]:
     """``(namespace, op, overload)`` of an OpOverload (OpOverload._opname/_overloadname, every
     release; public ``op.name()`` joins them and drops ``default``)."""
     return op.namespace, op._opname, op._overloadname
+
+
+# The dispatch key of prime_ac.intercept. CustomRNGKeyId is a functionality key below autograd and
+# the Python key and above every backend, which torch reserves for out-of-tree kernels and ships
+# with no kernel or fallback (2.9-2.14; not in the Python DispatchKey enum, so parsed by name).
+# prime_ac includes it in the thread-local dispatch key set only while one of its regions runs,
+# and leaves it alone when another library has registered a fallback on it. The TLS include and
+# exclude calls (torch._C, every release) are what torch's own Python guards use. Public
+# replacement: none (torch has no way to reserve a key for a library).
+INTERCEPT_KEY_NAME = "CustomRNGKeyId"
+INTERCEPT_KEY = torch._C._dispatch_key_parse(INTERCEPT_KEY_NAME)
+_intercept_keyset = torch._C.DispatchKeySet(INTERCEPT_KEY)
+
+
+def intercept_key_taken() -> bool:
+    """True when some library registered a fallback on the key (then prime_ac does not use it)."""
+    return torch._C._dispatch_has_backend_fallback(INTERCEPT_KEY)
+
+
+def set_intercept_key_included(included: bool) -> bool:
+    """Include the key in this thread's dispatch key set or not; returns the previous state."""
+    prior = torch._C._dispatch_tls_is_dispatch_key_included(INTERCEPT_KEY)
+    if prior != included:
+        torch._C._dispatch_tls_set_dispatch_key_included(INTERCEPT_KEY, included)
+    return prior
+
+
+def excluding_intercept_key() -> Any:
+    """A guard under which operators skip the key (how an intercepted operator runs)."""
+    return torch._C._ExcludeDispatchKeyGuard(_intercept_keyset)
+
+
+def dispatch_mode_active() -> bool:
+    """True while any TorchDispatchMode is on this thread's stack (torch._C, 2.0-2.14)."""
+    return torch._C._len_torch_dispatch_stack() > 0
+
+
+def schema_of(name: str) -> Any:
+    """The schema of a dispatcher operator name (``ns::op`` or ``ns::op.overload``)."""
+    qualified, _, overload = name.partition(".")
+    return torch._C._get_schema(qualified, overload)
+
+
+def has_composite_and_backend_kernels(name: str) -> bool:
+    """True when ``name`` has a CompositeExplicitAutograd(NonFunctional) kernel besides backend
+    kernels: the composite would otherwise fill the intercept key's slot for it."""
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    composite = has(name, "CompositeExplicitAutograd") or has(
+        name, "CompositeExplicitAutogradNonFunctional"
+    )
+    return composite and any(has(name, key) for key in ("CPU", "CUDA", "XPU", "MPS", "Meta"))
+
+
+def sac_hops() -> list[Any]:
+    """The higher-order operators torch's own SAC modes have a rule for (see redirect_hops)."""
+    return [
+        hop
+        for hop in list(_HOP_REGISTRY.values())
+        if any(m in getattr(hop, "python_key_table", {}) for m in _TORCH_SAC_MODES)
+    ]
+
+
+def hop_registry_size() -> int:
+    return len(_HOP_REGISTRY)

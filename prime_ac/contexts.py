@@ -40,7 +40,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from prime_ac import _compat
+from prime_ac import _compat, intercept
 from prime_ac.policy import (
     HOST_SYNC,
     KEPT,
@@ -51,6 +51,7 @@ from prime_ac.policy import (
     make_policy,
     reads_device_into_host,
 )
+from prime_ac.targets import operator_key
 
 __all__ = [
     "KeptOutputMutatedError",
@@ -110,6 +111,28 @@ class Rules:
         self.actions: dict[Any, int] = {}
         self.writes: dict[Any, tuple[tuple[int, str], ...] | None] = {}
         self._classify = policy.classify if isinstance(policy, OperatorPolicy) else None
+        self._planned = {operator_key(op) for op in self.plan}
+        self._listed = 0  # registry entries already given kernels
+        self._hops = -1  # size of the higher-order operator registry then
+
+    def intercepts(self) -> bool:
+        """Whether regions can use the dispatch key: the decision must follow from operator names
+        (a policy callable wants every call) and the key must be free. Also registers the kernels
+        for operators registered since the last call."""
+        if self._classify is None or not intercept.available():
+            return False
+        entries = intercept.registry()
+        if len(entries) != self._listed or _compat.hop_registry_size() != self._hops:
+            self._hops = _compat.hop_registry_size()
+            ops = [
+                op
+                for key, mutable in entries[self._listed :]
+                if mutable or key in self._planned or self.policy.may_keep(key)
+                if (op := intercept.resolve(key)) is not None and op not in IGNORED_OPS
+            ]
+            intercept.ensure_kernels([*ops, *_compat.sac_hops()])
+            self._listed = len(entries)
+        return True
 
     def action(self, op: Any) -> int:
         code = self.actions.get(op)
@@ -275,12 +298,85 @@ def _written_tensors(written: Any, args: tuple, kwargs: dict) -> list[torch.Tens
     return tensors
 
 
-class KeepMode(_compat.DispatchMode):
-    """The forward mode: runs every operator, keeps what the rules keep."""
+def _call(func: Any, args: tuple, kwargs: dict) -> Any:
+    return func(*args, **kwargs)
+
+
+class _Keeping:
+    """The forward's decisions, however operators reach them (a dispatch mode or the key)."""
+
+    run = staticmethod(_call)  # how a call runs once decided
 
     def __init__(self, cache: RegionCache, rules: Rules):
-        super().__init__()
         self.cache, self.rules, self.actions = cache, rules, rules.actions
+
+    def _dispatch(self, func: Any, action: int, args: tuple, kwargs: dict) -> Any:
+        cache = self.cache
+        if cache.held and func in self.rules.writes:
+            cache.copy_before_write(_written_tensors(self.rules.writes[func], args, kwargs))
+        out = self.run(func, args, kwargs)
+        if action == WRITE:
+            return out
+        if action == SYNC and not reads_device_into_host(func, args, kwargs):
+            return out
+        index = cache.forward_calls.get(func, 0)
+        cache.forward_calls[func] = index + 1
+        if action == PLANNED:
+            if index not in self.rules.plan[func]:
+                return out
+        elif action == SCOPE:
+            if not self.rules.policy.scoped.keeps_here(func, args):
+                return out
+        elif action == CALL:
+            decision = self.rules.policy(_compat.sac_context(out), func, *args, **kwargs)
+            if decision not in _SAVES:
+                return out
+        cache.keep(func, index, out)
+        return out
+
+
+class _Replaying:
+    """The recompute's decisions, however operators reach them."""
+
+    run = staticmethod(_call)
+
+    def __init__(self, cache: RegionCache, rules: Rules):
+        self.cache, self.rules, self.actions = cache, rules, rules.actions
+        self.calls: dict[Any, int] = {}
+
+    def _dispatch(self, func: Any, action: int, args: tuple, kwargs: dict) -> Any:
+        if action == SYNC and not reads_device_into_host(func, args, kwargs):
+            return self.run(func, args, kwargs)
+        cache = self.cache
+        index = self.calls.get(func, 0)
+        self.calls[func] = index + 1
+        kept = cache.entries.get(func)
+        if kept is None:  # this operator kept nothing here: an extra call changes nothing
+            return self.run(func, args, kwargs)
+        entry = kept.get(index, _MISSING)
+        if entry is _MISSING:
+            if index < cache.forward_calls.get(func, 0):  # marked for replay
+                return self.run(func, args, kwargs)
+            raise cache.mismatch(func, index)
+        if entry is _CONSUMED:
+            raise CheckpointError(
+                f"prime_ac: backward ran a second time through {cache.name}, whose kept results "
+                "were handed to the first backward. Selective checkpointing allows one backward "
+                "per forward (as torch's own does); use mode='full' with no kept operators, or "
+                "run the forward again."
+            )
+        kept[index] = _CONSUMED
+        cache.hits += 1
+        return cache.take(func, index, entry)
+
+
+class KeepMode(_Keeping, _compat.DispatchMode):
+    """The forward as a dispatch mode: sees every operator (when the key cannot be used, and for
+    the audit, which records every call)."""
+
+    def __init__(self, cache: RegionCache, rules: Rules):
+        _compat.DispatchMode.__init__(self)
+        _Keeping.__init__(self, cache, rules)
 
     def __enter__(self):
         _compat.redirect_hops(type(self))
@@ -302,40 +398,15 @@ class KeepMode(_compat.DispatchMode):
         finally:
             _set_eval_frame(prior)
 
-    def _dispatch(self, func: Any, action: int, args: tuple, kwargs: dict) -> Any:
-        cache = self.cache
-        if cache.held and func in self.rules.writes:
-            cache.copy_before_write(_written_tensors(self.rules.writes[func], args, kwargs))
-        out = func(*args, **kwargs)
-        if action == WRITE:
-            return out
-        if action == SYNC and not reads_device_into_host(func, args, kwargs):
-            return out
-        index = cache.forward_calls.get(func, 0)
-        cache.forward_calls[func] = index + 1
-        if action == PLANNED:
-            if index not in self.rules.plan[func]:
-                return out
-        elif action == SCOPE:
-            if not self.rules.policy.scoped.keeps_here(func, args):
-                return out
-        elif action == CALL:
-            decision = self.rules.policy(_compat.sac_context(out), func, *args, **kwargs)
-            if decision not in _SAVES:
-                return out
-        cache.keep(func, index, out)
-        return out
 
-
-class ReplayMode(_compat.DispatchMode):
-    """The recompute mode: hands kept results back, runs everything else."""
+class ReplayMode(_Replaying, _compat.DispatchMode):
+    """The recompute as a dispatch mode: hands kept results back, runs everything else."""
 
     record = False  # True: enter even when nothing was kept (the audit counts replays)
 
     def __init__(self, cache: RegionCache, rules: Rules):
-        super().__init__()
-        self.cache, self.rules, self.actions = cache, rules, rules.actions
-        self.calls: dict[Any, int] = {}
+        _compat.DispatchMode.__init__(self)
+        _Replaying.__init__(self, cache, rules)
         self._entered = False
 
     def __enter__(self):
@@ -363,30 +434,84 @@ class ReplayMode(_compat.DispatchMode):
         finally:
             _set_eval_frame(prior)
 
-    def _dispatch(self, func: Any, action: int, args: tuple, kwargs: dict) -> Any:
-        if action == SYNC and not reads_device_into_host(func, args, kwargs):
-            return func(*args, **kwargs)
-        cache = self.cache
-        index = self.calls.get(func, 0)
-        self.calls[func] = index + 1
-        kept = cache.entries.get(func)
-        if kept is None:  # this operator kept nothing here: an extra call changes nothing
-            return func(*args, **kwargs)
-        entry = kept.get(index, _MISSING)
-        if entry is _MISSING:
-            if index < cache.forward_calls.get(func, 0):  # marked for replay
-                return func(*args, **kwargs)
-            raise cache.mismatch(func, index)
-        if entry is _CONSUMED:
-            raise CheckpointError(
-                f"prime_ac: backward ran a second time through {cache.name}, whose kept results "
-                "were handed to the first backward. Selective checkpointing allows one backward "
-                "per forward (as torch's own does); use mode='full' with no kept operators, or "
-                "run the forward again."
-            )
-        kept[index] = _CONSUMED
-        cache.hits += 1
-        return cache.take(func, index, entry)
+
+class KeepRegion(_Keeping):
+    """The forward through the dispatch key: only operators with a kernel reach Python."""
+
+    run = staticmethod(intercept.run_below)
+
+    def __enter__(self) -> KeepRegion:
+        self._intercepting = intercept.Intercepting(self._intercept).__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._intercepting.__exit__(*exc)
+        self.cache.held = {}
+
+    def _intercept(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        action = self.actions.get(func)
+        if action is None:
+            action = self.rules.action(func)
+        if action <= RUN:
+            return intercept.run_below(func, args, kwargs)
+        return self._dispatch(func, action, args, kwargs)
+
+
+class ReplayRegion(_Replaying):
+    """The recompute through the dispatch key.
+
+    A dispatch mode active around the recompute (FlopCounterMode around backward) sits above the
+    key and would see the kept operators as if they ran: a shield mode then takes the calls that
+    can receive kept results before any other mode does.
+    """
+
+    run = staticmethod(intercept.run_below)
+
+    def __enter__(self) -> ReplayRegion:
+        self.calls.clear()
+        self._scopes: list[Any] = []
+        if not self.cache.entries:  # nothing kept: recompute exactly as plain checkpointing
+            return self
+        self._scopes.append(intercept.Intercepting(self._intercept).__enter__())
+        if _compat.dispatch_mode_active():
+            self._scopes.append(_Shield(self).__enter__())
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        while self._scopes:
+            self._scopes.pop().__exit__(*exc)
+
+    def _intercept(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        action = self.actions.get(func)
+        if action is None:
+            action = self.rules.action(func)
+        if action <= WRITE:
+            return intercept.run_below(func, args, kwargs)
+        return self._dispatch(func, action, args, kwargs)
+
+
+class _Shield(_compat.DispatchMode):
+    """Hands kept results back above the other active modes; the rest goes on to the key."""
+
+    def __init__(self, region: ReplayRegion):
+        super().__init__()
+        self.region, self.actions = region, region.actions
+
+    def __enter__(self):
+        _compat.redirect_hops(type(self))
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        prior = _set_eval_frame(None)
+        try:
+            action = self.actions.get(func)
+            if action is None:
+                action = self.region.rules.action(func)
+            if action <= WRITE:
+                return func(*args, **kwargs) if kwargs else func(*args)
+            return self.region._dispatch(func, action, args, kwargs or {})
+        finally:
+            _set_eval_frame(prior)
 
 
 def _must_recompute(policy: OperatorPolicy, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
@@ -396,15 +521,14 @@ def _must_recompute(policy: OperatorPolicy, ctx: Any, op: Any, *args: Any, **kwa
     return CheckpointPolicy.MUST_RECOMPUTE if decision is _PREFER_RECOMPUTE else decision
 
 
-def checkpoint_contexts(
-    rules: Rules, name: str, *, modes: tuple[type, type] = (KeepMode, ReplayMode)
-) -> Callable[[], tuple[Any, Any]]:
+def checkpoint_contexts(rules: Rules, name: str) -> Callable[[], tuple[Any, Any]]:
     """A ``context_fn`` applying ``rules`` (one :class:`RegionCache` per region).
 
     Under torch.compile it returns torch's own contexts with the same policy (see the module
-    docstring). ``modes`` lets the audit substitute recording subclasses.
+    docstring). In eager mode a region intercepts through the dispatch key when it can, and
+    uses dispatch modes when a mode is already active around the forward or the policy is a
+    callable.
     """
-    keep_mode, replay_mode = modes
 
     compiled_policy = rules.policy
     if isinstance(rules.policy, OperatorPolicy):
@@ -414,7 +538,9 @@ def checkpoint_contexts(
         if _compat.is_tracing():
             return create_selective_checkpoint_contexts(compiled_policy)
         cache = RegionCache(name)
-        return keep_mode(cache, rules), replay_mode(cache, rules)
+        if not _compat.dispatch_mode_active() and rules.intercepts():
+            return KeepRegion(cache, rules), ReplayRegion(cache, rules)
+        return KeepMode(cache, rules), ReplayMode(cache, rules)
 
     return contexts
 

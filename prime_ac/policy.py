@@ -81,6 +81,15 @@ class OperatorPolicy:
             return HOST_SYNC
         return REPLAYED
 
+    def may_keep(self, key: tuple[str, str, str | None]) -> bool:
+        """Whether some call of operator ``key`` can be kept, from its name alone (what
+        :mod:`prime_ac.intercept` needs before any call; mutating targets are filtered later)."""
+        if self.mandatory.matches(key) or key[:2] in _HOST_SYNC_OPS:
+            return True
+        if self.mode != "selective":
+            return False
+        return self.targets.matches(key) or (self.scoped is not None and self.scoped.involves(key))
+
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         decision = self._decisions.get(op) or self.classify(op)
         if decision is REPLAYED:

@@ -1,0 +1,167 @@
+"""Eager regions intercept through a dispatch key: only operators that need a decision reach Python.
+
+What the key changes is cost, never results: these tests check which calls reach prime_ac's
+kernels, that the choice between key and dispatch modes follows what is active, and that the
+results (bitwise gradients, copy on write, replay errors) are those of the mode path.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from torch.utils.flop_counter import FlopCounterMode
+
+import prime_ac
+from prime_ac import _compat, contexts, intercept
+
+pytestmark = pytest.mark.skipif(not intercept.available(), reason="the dispatch key is taken")
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.up(x)).exp().clamp(max=4.0)
+        return x + self.down(h)
+
+
+class InPlaceRouter(nn.Module):
+    """Top-k weights renormalised in place, then scaled by Python numbers (wrapped scalars)."""
+
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.gate = nn.Linear(dim, 4)
+        self.scale = torch.tensor(0.5)  # a 0-dim float32 tensor written with a Python float
+
+    def forward(self, x):
+        weights, _ = torch.topk(self.gate(x).softmax(-1), 2)
+        weights /= weights.sum(-1, keepdim=True)
+        weights.mul_(2.0)
+        return x * weights.sum(-1, keepdim=True) * self.scale.clone().mul_(3.0)
+
+
+def _contexts(mode: str = "full"):
+    return contexts.context_fn(mode)()
+
+
+def _grads(model, x):
+    model(x).square().sum().backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_regions_use_the_key_unless_a_mode_is_active_or_the_policy_is_a_callable():
+    keep, replay = _contexts()
+    assert isinstance(keep, contexts.KeepRegion) and isinstance(replay, contexts.ReplayRegion)
+    with FlopCounterMode(display=False):
+        keep, _ = _contexts()
+    assert isinstance(keep, contexts.KeepMode)
+
+    def policy(ctx, op, *args, **kwargs):
+        return torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+    keep, _ = contexts.context_fn(policy=policy)()
+    assert isinstance(keep, contexts.KeepMode)
+
+
+def test_only_kept_and_writing_operators_reach_python(monkeypatch):
+    seen = []
+    handle = contexts.KeepRegion._intercept
+
+    def spy(self, func, args, kwargs):
+        seen.append(func)
+        return handle(self, func, args, kwargs)
+
+    monkeypatch.setattr(contexts.KeepRegion, "_intercept", spy)
+    model, x = Block(), torch.randn(4, 8, requires_grad=True)
+    keep, _ = _contexts("selective")
+    with keep:
+        model(x)
+    # addmm is a target; gelu, exp, clamp (composite with a CPU kernel), add never reach Python
+    assert seen == [torch.ops.aten.addmm.default] * 2
+    assert keep.cache.stored == 2
+    assert _compat.dispatch_op_names() >= {"aten::exp"}
+    assert torch._C._dispatch_kernel_for_dispatch_key_is_fallthrough(
+        "aten::clamp", _compat.INTERCEPT_KEY_NAME
+    )
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("block", [Block, InPlaceRouter])
+def test_key_and_mode_paths_give_the_same_bitwise_gradients(mode, block):
+    torch.manual_seed(0)
+    plain, x = nn.Sequential(block(), block()), torch.randn(6, 8)
+    reference = _grads(plain, x)
+    wrapped = copy.deepcopy(plain)
+    prime_ac.checkpoint_blocks(wrapped, mode=mode)
+    assert _grads(wrapped, x).keys() == reference.keys()
+    for name, grad in _grads(copy.deepcopy(wrapped), x).items():
+        assert torch.equal(grad, reference[name]), name
+    with FlopCounterMode(display=False):  # the mode path
+        moded = _grads(copy.deepcopy(wrapped), x)
+    for name, grad in moded.items():
+        assert torch.equal(grad, reference[name]), name
+
+
+def test_in_place_write_on_a_kept_result_is_copied_first():
+    model, x = InPlaceRouter(), torch.randn(6, 8)
+    keep, replay = _contexts("full")
+    with keep:
+        model(x)
+    assert keep.cache.copies == 1  # the topk values, before `/=`; not the fresh tensors after
+    assert replay.cache is keep.cache
+
+
+def test_a_mode_around_backward_sees_only_what_the_recompute_runs():
+    """The shield hands kept results back above FlopCounterMode, which then counts no matmul."""
+    model, x = Block(), torch.randn(4, 8)
+    flops = {}
+    for mode in ("none", "full", "selective"):
+        if mode == "none":
+            out = model(x)
+        else:
+            out = checkpoint(model, x, use_reentrant=False, context_fn=contexts.context_fn(mode))
+        with FlopCounterMode(display=False) as counter:
+            out.sum().backward()
+        flops[mode] = counter.get_total_flops()
+    assert flops["selective"] == flops["none"]  # selective keeps both addmm: none is recounted
+    assert flops["full"] >= flops["none"] + 2 * 4 * 8 * 16  # full recounts at least the first
+
+
+def test_a_region_on_one_thread_leaves_other_threads_alone():
+    keep, _ = _contexts("selective")
+    included = []
+    with keep:
+        thread = threading.Thread(
+            target=lambda: included.append(_compat.set_intercept_key_included(False))
+        )
+        thread.start()
+        thread.join()
+        assert _compat.set_intercept_key_included(True) is True
+    assert included == [False]
+    assert _compat.set_intercept_key_included(False) is False
+
+
+def test_an_operator_registered_after_the_policy_gets_its_kernel(monkeypatch):
+    monkeypatch.setattr(intercept, "RELIST_SECONDS", 0.0)
+    lib = torch.library.Library("prime_ac_test_late", "DEF")
+    lib.define("double(Tensor x) -> Tensor")
+    lib.impl("double", lambda x: x * 2, "CompositeExplicitAutograd")
+    rules = contexts.Rules(prime_ac.make_policy("selective", targets=["prime_ac_test_late"]))
+    assert rules.intercepts()
+    keep, _ = contexts.checkpoint_contexts(rules, "late")()
+    with keep:
+        torch.ops.prime_ac_test_late.double(torch.ones(2))
+    assert keep.cache.stored == 1
+
+
+def test_the_key_taken_by_another_library_means_dispatch_modes(monkeypatch):
+    monkeypatch.setattr(intercept, "_usable", [False])
+    keep, replay = _contexts("selective")
+    assert isinstance(keep, contexts.KeepMode) and isinstance(replay, contexts.ReplayMode)
