@@ -1,9 +1,12 @@
-"""prime_ac's own selective-checkpoint contexts: one mode keeps in the forward, one replays.
+"""prime_ac's own selective-checkpoint contexts: one keeps in the forward, one replays.
 
 ``torch.utils.checkpoint.checkpoint(fn, use_reentrant=False, context_fn=...)`` runs the forward
-under the first mode returned by ``context_fn`` and the recompute under the second. prime_ac
-writes both (instead of subclassing torch's private ones) so that they behave the same on every
-torch release and cost as little as a Python dispatch mode can:
+under the first context returned by ``context_fn`` and the recompute under the second. prime_ac
+writes both (instead of subclassing torch's private modes) so that they behave the same on every
+torch release. In eager mode they reach operators through the dispatch key of
+:mod:`prime_ac.intercept` (:class:`KeepRegion`, :class:`ReplayRegion`), so only operators that
+need a decision cost Python; with a policy callable, or under a dispatch mode already active
+around the forward, they are dispatch modes (:class:`KeepMode`, :class:`ReplayMode`). Either way:
 
 - The decision for an operator overload is computed once per block and stored as a small action
   code; the per-call work is one dict lookup. Replayed operators are neither counted nor stored:
@@ -19,8 +22,8 @@ torch release and cost as little as a Python dispatch mode can:
   receives the value the forward saw. Only writes that really hit a kept result copy anything. A
   kept result modified where no mode sees it (after the block returned) cannot be recovered and
   raises :class:`KeptOutputMutatedError` in the backward.
-- Higher-order operators (flex_attention, invoke_subgraph, ...) reach these modes through the
-  same redirect torch registers for its own SAC modes.
+- Higher-order operators (flex_attention, invoke_subgraph, ...) reach the modes through the
+  same redirect torch registers for its own SAC modes, and the key through a kernel of its own.
 
 Under ``torch.compile`` the checkpoint is traced once and the partitioner reads each node's
 policy tag; there the contexts are torch's own ``create_selective_checkpoint_contexts`` with the
