@@ -33,7 +33,7 @@ __all__ = [
     "dispatch_mode_active",
     "dispatch_op_names",
     "excluding_intercept_key",
-    "has_composite_and_backend_kernels",
+    "has_composite_kernel",
     "hop_registry_size",
     "intercept_key_taken",
     "is_composite_implicit",
@@ -289,14 +289,13 @@ def schema_of(name: str) -> Any:
     return torch._C._get_schema(qualified, overload)
 
 
-def has_composite_and_backend_kernels(name: str) -> bool:
-    """True when ``name`` has a CompositeExplicitAutograd(NonFunctional) kernel besides backend
-    kernels: the composite would otherwise fill the intercept key's slot for it."""
+def has_composite_kernel(name: str) -> bool:
+    """True when ``name`` has a CompositeExplicitAutograd(NonFunctional) kernel, which also fills
+    the intercept key's slot (the key counts as a backend for alias keys)."""
     has = torch._C._dispatch_has_kernel_for_dispatch_key
-    composite = has(name, "CompositeExplicitAutograd") or has(
+    return has(name, "CompositeExplicitAutograd") or has(
         name, "CompositeExplicitAutogradNonFunctional"
     )
-    return composite and any(has(name, key) for key in ("CPU", "CUDA", "XPU", "MPS", "Meta"))
 
 
 def sac_hops() -> list[Any]:

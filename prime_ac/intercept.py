@@ -3,18 +3,19 @@
 A TorchDispatchMode hands every operator of a region to Python, 4-8 microseconds each on a CPU
 core: in a small block that costs more than the recompute selective checkpointing saves. Here a
 region instead includes one dispatch key (``_compat.INTERCEPT_KEY``) in its thread's dispatch key
-set while it runs, and registers a kernel on that key for just the operators that need a
-decision: those its policy can keep and those that write an argument (a write may hit a kept
-result, which is then copied first). Every other operator falls through the key inside the
-dispatcher, without entering Python.
+set while it runs. The key has Python kernels for just the operators that need a decision: those
+a policy can keep and those that write an argument (a write may hit a kept result, which is then
+copied first). Every other operator reaches a small C++ fallback (``csrc/prime_ac/intercept.cpp``)
+that runs it below the key with the key excluded, a fraction of a microsecond.
 
-The key sits below autograd, like the Python key a mode uses, so a kernel sees what a mode sees:
-the operator after autograd recorded it. Two differences, both the same in forward and recompute:
+The key sits below autograd, like the Python key a mode uses, and an operator always runs with
+the key excluded, as a mode runs an operator with itself popped: a region sees exactly the calls
+a mode would see. Python dispatch modes and tensor subclasses sit above the key and see each
+operator first.
 
-- An intercepted operator runs with the key excluded, as a mode runs an operator with itself
-  popped. An operator that falls through runs with the key still included, so the operators it
-  calls internally (a composite's parts, a custom op's Python body) reach the kernels too.
-- Python dispatch modes and tensor subclasses sit above the key and see each operator first.
+The fallback is built with ``torch.utils.cpp_extension`` on first use (about 10 s, then cached per
+torch release under ``~/.cache/prime_ac``, or ``$PRIME_AC_CACHE_DIR``). Without a compiler, with
+``PRIME_AC_INTERCEPT=0``, or when another library has claimed the key, regions use dispatch modes.
 
 Kernels are global and permanent (the dispatcher has no per-thread registrations) but do nothing
 outside a region: no thread includes the key then, so no call reaches them. They are registered
@@ -24,19 +25,31 @@ its kernel when a region is next created.
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
 import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
-from torch.library import Library, fallthrough_kernel
+from torch.library import Library
 
 from prime_ac import _compat
 
-__all__ = ["Intercepting", "available", "ensure_kernels", "registry", "resolve", "run_below"]
+__all__ = [
+    "RELIST_SECONDS",
+    "Intercepting",
+    "available",
+    "cache_dir",
+    "ensure_kernels",
+    "registry",
+    "resolve",
+    "run_below",
+]
 
 Handler = Callable[[Any, tuple, dict], Any]
 Key = tuple[str, str, str]  # (namespace, op, overload)
@@ -44,9 +57,12 @@ Key = tuple[str, str, str]  # (namespace, op, overload)
 RELIST_SECONDS = 1.0
 """How often regions look for operators registered since (listing them costs about 3 ms)."""
 
+_SOURCE = Path(__file__).resolve().parent / "_csrc" / "intercept.cpp"
+_LIBRARY = "prime_ac_intercept"
+
 _local = threading.local()  # .handler: the innermost intercepting region's handler on this thread
-_libraries: dict[str, Library] = {}  # namespace ("_" for the fallback) -> prime_ac's Library
-_kernels: set[Any] = set()  # operators with prime_ac's kernel on the key
+_libraries: dict[str, Library] = {}  # namespace -> the Library holding prime_ac's Python kernels
+_kernels: set[Any] = set()  # operators with a Python kernel on the key
 _names: set[str] = set()  # dispatcher names listed so far
 _entries: list[tuple[Key, bool]] = []  # (key, mutable) per listed name, in the order first seen
 _listed_at = [-math.inf]
@@ -65,10 +81,44 @@ def available() -> bool:
 
 def _install() -> bool:
     # Another library's fallback on the key would receive every operator of a region: keep out.
-    if _compat.intercept_key_taken():
+    if os.environ.get("PRIME_AC_INTERCEPT", "1") == "0" or _compat.intercept_key_taken():
         return False
-    _library("_").fallback(fallthrough_kernel, _compat.INTERCEPT_KEY_NAME)
+    try:
+        _load_fallback()
+    except Exception as error:  # no compiler or ninja, missing headers, a failed load
+        warnings.warn(
+            f"prime_ac could not build its operator interceptor ({type(error).__name__}: "
+            f"{error}); checkpointed blocks use dispatch modes instead, which cost a few "
+            "microseconds more per operator in eager mode. It needs a C++ compiler and ninja "
+            "(pip install ninja); PRIME_AC_INTERCEPT=0 silences this.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
     return True
+
+
+def cache_dir() -> Path:
+    """Where the fallback is built: one directory per torch release and source version."""
+    digest = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    root = os.environ.get("PRIME_AC_CACHE_DIR") or Path.home() / ".cache" / "prime_ac"
+    return Path(root) / f"intercept-{digest}"
+
+
+def _load_fallback() -> None:
+    # cpp_extension holds a lock on the directory and rebuilds only what changed, so processes
+    # starting together (pytest -n, one per rank) build once and load a finished library.
+    from torch.utils import cpp_extension
+
+    out = cache_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name=_LIBRARY,
+        sources=[str(_SOURCE)],
+        extra_cflags=["-O2"],
+        build_directory=str(out),
+        is_python_module=False,
+    )
 
 
 def _library(namespace: str) -> Library:
@@ -82,16 +132,15 @@ def registry() -> list[tuple[Key, bool]]:
     """``(key, mutable)`` of every registered operator overload, append-only, in the order first
     seen; relisted at most every :data:`RELIST_SECONDS`.
 
-    A new operator that has a composite kernel besides backend kernels gets an explicit
-    fallthrough on the key: the composite would otherwise fill the key's slot (the key counts as
-    a backend for alias keys) and run instead of the CPU or CUDA kernel, its parts reaching the
-    written-argument kernels one Python call each.
+    A new operator with a composite kernel gets the C++ fallback as its kernel on the key: the
+    composite would otherwise fill the key's slot and run with the key still included.
     """
     now = time.monotonic()
     if now - _listed_at[0] < RELIST_SECONDS or not available():
         return _entries
     with _lock:
         _listed_at[0] = now
+        composites = []
         for name in _compat.dispatch_op_names() - _names:
             try:
                 mutable = _compat.schema_of(name).is_mutable
@@ -101,10 +150,10 @@ def registry() -> list[tuple[Key, bool]]:
             qualified, _, overload = name.partition(".")
             namespace, _, op_name = qualified.partition("::")
             _entries.append(((namespace, op_name, overload or "default"), mutable))
-            if not mutable and _compat.has_composite_and_backend_kernels(name):
-                _library(namespace).impl(
-                    name.partition("::")[2], fallthrough_kernel, _compat.INTERCEPT_KEY_NAME
-                )
+            if _compat.has_composite_kernel(name):
+                composites.append(name)
+        if composites:
+            torch.ops.prime_ac_intercept.run_below_for(composites)
     return _entries
 
 
@@ -118,8 +167,8 @@ def resolve(key: Key) -> Any:
 
 
 def ensure_kernels(ops: Iterable[Any]) -> None:
-    """Register the key's kernel for each of ``ops`` (operator overloads or higher-order
-    operators) that has none yet."""
+    """Register the key's Python kernel for each of ``ops`` (operator overloads or higher-order
+    operators) that has none yet; it replaces the C++ one a composite operator had."""
     if not available():
         return
     with _lock:
@@ -132,7 +181,7 @@ def ensure_kernels(ops: Iterable[Any]) -> None:
                 continue
             namespace, op_name, overload = _compat.operator_parts(op)
             name = op_name if overload == "default" else f"{op_name}.{overload}"
-            with warnings.catch_warnings():  # replacing an explicit fallthrough warns
+            with warnings.catch_warnings():  # replacing a composite's C++ kernel warns
                 warnings.simplefilter("ignore", UserWarning)
                 _library(namespace).impl(
                     name, _kernel(op), _compat.INTERCEPT_KEY_NAME, allow_override=True
