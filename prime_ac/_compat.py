@@ -151,11 +151,9 @@ def redirect_hops(mode_class: type) -> None:
     size = len(_HOP_REGISTRY)
     if _redirected.get(mode_class) == size:
         return
-    for hop in list(_HOP_REGISTRY.values()):
-        table = getattr(hop, "python_key_table", {})
-        if mode_class in table or not any(m in table for m in _TORCH_SAC_MODES):
-            continue
-        hop.py_impl(mode_class)(_redirect(hop))
+    for hop in sac_hops():
+        if mode_class not in hop.python_key_table:
+            hop.py_impl(mode_class)(_redirect(hop))
     _redirected[mode_class] = size
 
 

@@ -305,13 +305,29 @@ def _call(func: Any, args: tuple, kwargs: dict) -> Any:
     return func(*args, **kwargs)
 
 
-class _Keeping:
-    """The forward's decisions, however operators reach them (a dispatch mode or the key)."""
+class _Decisions:
+    """One side of a region: how a call is handled, however it arrives (a mode or the key).
 
-    run = staticmethod(_call)  # how a call runs once decided
+    Actions up to ``limit`` just run (through ``run``); the rest go to the side's ``_dispatch``.
+    """
+
+    run = staticmethod(_call)
+    limit = RUN
 
     def __init__(self, cache: RegionCache, rules: Rules):
         self.cache, self.rules, self.actions = cache, rules, rules.actions
+
+    def handle(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        action = self.actions.get(func)
+        if action is None:
+            action = self.rules.action(func)
+        if action <= self.limit:
+            return self.run(func, args, kwargs)
+        return self._dispatch(func, action, args, kwargs)
+
+
+class _Keeping(_Decisions):
+    """The forward: runs every operator, keeps what the rules keep."""
 
     def _dispatch(self, func: Any, action: int, args: tuple, kwargs: dict) -> Any:
         cache = self.cache
@@ -338,13 +354,13 @@ class _Keeping:
         return out
 
 
-class _Replaying:
-    """The recompute's decisions, however operators reach them."""
+class _Replaying(_Decisions):
+    """The recompute: hands kept results back, runs everything else."""
 
-    run = staticmethod(_call)
+    limit = WRITE  # writes are copied before in the forward only
 
     def __init__(self, cache: RegionCache, rules: Rules):
-        self.cache, self.rules, self.actions = cache, rules, rules.actions
+        super().__init__(cache, rules)
         self.calls: dict[Any, int] = {}
 
     def _dispatch(self, func: Any, action: int, args: tuple, kwargs: dict) -> Any:
@@ -373,42 +389,41 @@ class _Replaying:
         return cache.take(func, index, entry)
 
 
-class KeepMode(_Keeping, _compat.DispatchMode):
-    """The forward as a dispatch mode: sees every operator (when the key cannot be used, and for
-    the audit, which records every call)."""
-
-    def __init__(self, cache: RegionCache, rules: Rules):
-        _compat.DispatchMode.__init__(self)
-        _Keeping.__init__(self, cache, rules)
+class _HandlingMode(_compat.DispatchMode):
+    """A dispatch mode that hands every call to ``self.handle``."""
 
     def __enter__(self):
         _compat.redirect_hops(type(self))
         return super().__enter__()
 
-    def __exit__(self, *exc: Any):
-        self.cache.held = {}  # only writes inside the forward are copied
-        return super().__exit__(*exc)
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         prior = _set_eval_frame(None)  # no dynamo inside the handler (see _compat.DispatchMode)
         try:
-            action = self.actions.get(func)
-            if action is None:
-                action = self.rules.action(func)
-            if action <= RUN:
-                return func(*args, **kwargs) if kwargs else func(*args)
-            return self._dispatch(func, action, args, kwargs or {})
+            return self.handle(func, args, kwargs or {})
         finally:
             _set_eval_frame(prior)
 
 
-class ReplayMode(_Replaying, _compat.DispatchMode):
-    """The recompute as a dispatch mode: hands kept results back, runs everything else."""
+class KeepMode(_Keeping, _HandlingMode):
+    """The forward as a dispatch mode, which sees every operator: with a policy callable, under
+    another mode, without the key, and in the audit (which records every call)."""
+
+    def __init__(self, cache: RegionCache, rules: Rules):
+        _HandlingMode.__init__(self)
+        _Keeping.__init__(self, cache, rules)
+
+    def __exit__(self, *exc: Any):
+        self.cache.held = {}  # only writes inside the forward are copied
+        return super().__exit__(*exc)
+
+
+class ReplayMode(_Replaying, _HandlingMode):
+    """The recompute as a dispatch mode."""
 
     record = False  # True: enter even when nothing was kept (the audit counts replays)
 
     def __init__(self, cache: RegionCache, rules: Rules):
-        _compat.DispatchMode.__init__(self)
+        _HandlingMode.__init__(self)
         _Replaying.__init__(self, cache, rules)
         self._entered = False
 
@@ -417,25 +432,12 @@ class ReplayMode(_Replaying, _compat.DispatchMode):
         self._entered = bool(self.cache.entries) or self.record
         if not self._entered:  # nothing kept: recompute exactly as plain checkpointing
             return self
-        _compat.redirect_hops(type(self))
         return super().__enter__()
 
     def __exit__(self, *exc: Any):
         if self._entered:
             return super().__exit__(*exc)
         return None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        prior = _set_eval_frame(None)
-        try:
-            action = self.actions.get(func)
-            if action is None:
-                action = self.rules.action(func)
-            if action <= WRITE:
-                return func(*args, **kwargs) if kwargs else func(*args)
-            return self._dispatch(func, action, args, kwargs or {})
-        finally:
-            _set_eval_frame(prior)
 
 
 class KeepRegion(_Keeping):
@@ -444,28 +446,20 @@ class KeepRegion(_Keeping):
     run = staticmethod(intercept.run_below)
 
     def __enter__(self) -> KeepRegion:
-        self._intercepting = intercept.Intercepting(self._intercept).__enter__()
+        self._intercepting = intercept.Intercepting(self.handle).__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._intercepting.__exit__(*exc)
         self.cache.held = {}
 
-    def _intercept(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        action = self.actions.get(func)
-        if action is None:
-            action = self.rules.action(func)
-        if action <= RUN:
-            return intercept.run_below(func, args, kwargs)
-        return self._dispatch(func, action, args, kwargs)
-
 
 class ReplayRegion(_Replaying):
     """The recompute through the dispatch key.
 
     A dispatch mode active around the recompute (FlopCounterMode around backward) sits above the
-    key and would see the kept operators as if they ran: a shield mode then takes the calls that
-    can receive kept results before any other mode does.
+    key and would see the kept operators as if they ran: a shield mode then takes every call
+    before any other mode does and hands it to this region.
     """
 
     run = staticmethod(intercept.run_below)
@@ -475,7 +469,7 @@ class ReplayRegion(_Replaying):
         self._scopes: list[Any] = []
         if not self.cache.entries:  # nothing kept: recompute exactly as plain checkpointing
             return self
-        self._scopes.append(intercept.Intercepting(self._intercept).__enter__())
+        self._scopes.append(intercept.Intercepting(self.handle).__enter__())
         if _compat.dispatch_mode_active():
             self._scopes.append(_Shield(self).__enter__())
         return self
@@ -484,37 +478,11 @@ class ReplayRegion(_Replaying):
         while self._scopes:
             self._scopes.pop().__exit__(*exc)
 
-    def _intercept(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        action = self.actions.get(func)
-        if action is None:
-            action = self.rules.action(func)
-        if action <= WRITE:
-            return intercept.run_below(func, args, kwargs)
-        return self._dispatch(func, action, args, kwargs)
 
-
-class _Shield(_compat.DispatchMode):
-    """Hands kept results back above the other active modes; the rest goes on to the key."""
-
+class _Shield(_HandlingMode):
     def __init__(self, region: ReplayRegion):
         super().__init__()
-        self.region, self.actions = region, region.actions
-
-    def __enter__(self):
-        _compat.redirect_hops(type(self))
-        return super().__enter__()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        prior = _set_eval_frame(None)
-        try:
-            action = self.actions.get(func)
-            if action is None:
-                action = self.region.rules.action(func)
-            if action <= WRITE:
-                return func(*args, **kwargs) if kwargs else func(*args)
-            return self.region._dispatch(func, action, args, kwargs or {})
-        finally:
-            _set_eval_frame(prior)
+        self.handle = region.handle
 
 
 def _must_recompute(policy: OperatorPolicy, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:

@@ -73,13 +73,13 @@ def test_regions_use_the_key_unless_a_mode_is_active_or_the_policy_is_a_callable
 
 def test_only_kept_and_writing_operators_reach_python(monkeypatch):
     seen = []
-    handle = contexts.KeepRegion._intercept
+    handle = contexts.KeepRegion.handle
 
     def spy(self, func, args, kwargs):
         seen.append(func)
         return handle(self, func, args, kwargs)
 
-    monkeypatch.setattr(contexts.KeepRegion, "_intercept", spy)
+    monkeypatch.setattr(contexts.KeepRegion, "handle", spy)
     model, x = Block(), torch.randn(4, 8, requires_grad=True)
     keep, _ = _contexts("selective")
     with keep:
