@@ -33,6 +33,7 @@ same policy, so compiled and eager decisions are the same and nothing runs per o
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -124,7 +125,7 @@ class Rules:
         for operators registered since the last call."""
         if self._classify is None or not intercept.available():
             return False
-        entries = intercept.registry()
+        entries = intercept.registry(relist=not _awaiting_recompute)
         if len(entries) != self._listed or _compat.hop_registry_size() != self._hops:
             self._hops = _compat.hop_registry_size()
             ops = [
@@ -173,6 +174,7 @@ class RegionCache:
     """
 
     __slots__ = (
+        "__weakref__",
         "copied_bytes",
         "copies",
         "entries",
@@ -440,6 +442,10 @@ class ReplayMode(_Replaying, _HandlingMode):
         return None
 
 
+# The caches of key regions that kept results and were not recomputed yet (or freed unused).
+_awaiting_recompute: weakref.WeakSet[RegionCache] = weakref.WeakSet()
+
+
 class KeepRegion(_Keeping):
     """The forward through the dispatch key: only operators with a kernel reach Python."""
 
@@ -452,6 +458,8 @@ class KeepRegion(_Keeping):
     def __exit__(self, *exc: Any) -> None:
         self._intercepting.__exit__(*exc)
         self.cache.held = {}
+        if self.cache.entries:
+            _awaiting_recompute.add(self.cache)
 
 
 class ReplayRegion(_Replaying):
@@ -477,6 +485,7 @@ class ReplayRegion(_Replaying):
     def __exit__(self, *exc: Any) -> None:
         while self._scopes:
             self._scopes.pop().__exit__(*exc)
+        _awaiting_recompute.discard(self.cache)
 
 
 class _Shield(_HandlingMode):

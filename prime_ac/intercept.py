@@ -19,8 +19,9 @@ torch release under ``~/.cache/prime_ac``, or ``$PRIME_AC_CACHE_DIR``). Without 
 
 Kernels are global and permanent (the dispatcher has no per-thread registrations) but do nothing
 outside a region: no thread includes the key then, so no call reaches them. They are registered
-as regions are created, for the operators in the registry then; an operator registered later gets
-its kernel when a region is next created.
+as regions are created, for the operators in the registry then. An operator registered later gets
+its kernel when a region is created at least :data:`RELIST_SECONDS` later while no region waits
+for its recompute: a forward and its recompute always see the same kernels.
 """
 
 from __future__ import annotations
@@ -128,15 +129,17 @@ def _library(namespace: str) -> Library:
     return library
 
 
-def registry() -> list[tuple[Key, bool]]:
+def registry(relist: bool = True) -> list[tuple[Key, bool]]:
     """``(key, mutable)`` of every registered operator overload, append-only, in the order first
-    seen; relisted at most every :data:`RELIST_SECONDS`.
+    seen; relisted at most every :data:`RELIST_SECONDS`, and only when ``relist``.
 
     A new operator with a composite kernel gets the C++ fallback as its kernel on the key: the
-    composite would otherwise fill the key's slot and run with the key still included.
+    composite would otherwise fill the key's slot and run with the key still included. That
+    changes which calls a region sees, so the caller relists only while no region waits for its
+    recompute (whose calls must match its forward's one for one).
     """
     now = time.monotonic()
-    if now - _listed_at[0] < RELIST_SECONDS or not available():
+    if not relist or now - _listed_at[0] < RELIST_SECONDS or not available():
         return _entries
     with _lock:
         _listed_at[0] = now

@@ -8,6 +8,7 @@ results (bitwise gradients, copy on write, replay errors) are those of the mode 
 from __future__ import annotations
 
 import copy
+import gc
 import threading
 import warnings
 
@@ -148,6 +149,7 @@ def test_a_region_on_one_thread_leaves_other_threads_alone():
 
 
 def test_an_operator_registered_after_the_policy_gets_its_kernel(monkeypatch):
+    gc.collect()  # earlier tests' forwards that never ran backward hold off listing until freed
     monkeypatch.setattr(intercept, "RELIST_SECONDS", 0.0)
     lib = torch.library.Library("prime_ac_test_late", "DEF")
     lib.define("double(Tensor x) -> Tensor")
@@ -187,3 +189,48 @@ def test_prime_ac_intercept_0_means_dispatch_modes(monkeypatch):
     monkeypatch.setenv("PRIME_AC_INTERCEPT", "0")
     keep, _ = _contexts("selective")
     assert isinstance(keep, contexts.KeepMode)
+
+
+class CallsLateOp(nn.Module):
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.w = nn.ParameterList(nn.Parameter(torch.randn(dim, dim) / dim**0.5) for _ in range(3))
+
+    def forward(self, x):
+        h = torch.mm(x, self.w[0]).tanh()
+        h = torch.ops.prime_ac_test_between.project(h, self.w[1]).tanh()  # an mm inside
+        return torch.mm(h, self.w[2])
+
+
+def test_operators_listed_between_forward_and_recompute_change_nothing(monkeypatch):
+    """A composite operator listed after a forward would make its recompute see fewer calls (its
+    inner mm) and hand the wrong kept results back: no listing while a recompute is pending."""
+    gc.collect()  # earlier tests' forwards that never ran backward hold off listing until freed
+    model, x = CallsLateOp(), torch.randn(8, 8)
+    monkeypatch.setattr(intercept, "RELIST_SECONDS", 0.0)
+    contexts.context_fn("selective")()  # everything registered so far is listed
+
+    @torch.library.custom_op("prime_ac_test_between::project", mutates_args=())
+    def project(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.mm(h, w)
+
+    project.register_autograd(
+        lambda ctx, g: (g @ ctx.w.T, ctx.h.T @ g),
+        setup_context=lambda ctx, inputs, output: (
+            ctx.__setattr__("h", inputs[0]) or ctx.__setattr__("w", inputs[1])
+        ),
+    )
+    expected = _grads(copy.deepcopy(model), x)
+
+    monkeypatch.setattr(intercept, "RELIST_SECONDS", 1e9)
+    context_fn = contexts.context_fn("selective")
+    out = checkpoint(model, x, use_reentrant=False, context_fn=context_fn)
+    loss = out.square().sum()  # the inner mm is seen and kept: the op is not listed yet
+    monkeypatch.setattr(intercept, "RELIST_SECONDS", 0.0)
+    contexts.context_fn("selective")()  # would list it now, between forward and recompute
+    assert "prime_ac_test_between::project" not in intercept._names
+    loss.backward()
+    for name, param in model.named_parameters():
+        assert torch.equal(param.grad, expected[name]), name
+    contexts.context_fn("selective")()  # no recompute pending: listed now
+    assert "prime_ac_test_between::project" in intercept._names
