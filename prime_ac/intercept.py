@@ -58,6 +58,7 @@ Key = tuple[str, str, str]  # (namespace, op, overload)
 RELIST_SECONDS = 1.0
 """How often regions look for operators registered since (listing them costs about 3 ms)."""
 
+_STALE_BUILD_SECONDS = 300  # a build takes about 10 s; a baton this old belongs to no build
 _SOURCE = Path(__file__).resolve().parent / "_csrc" / "intercept.cpp"
 _LIBRARY = "prime_ac_intercept"
 
@@ -107,11 +108,17 @@ def cache_dir() -> Path:
 
 
 def _load_fallback() -> None:
-    # cpp_extension holds a lock on the directory and rebuilds only what changed, so processes
-    # starting together (pytest -n, one per rank) build once and load a finished library.
+    out = cache_dir()
+    library, lock = out / f"{_LIBRARY}.so", out / "lock"  # lock: cpp_extension's build baton
+    if library.is_file() and not lock.exists():  # built (the directory names its sources)
+        torch.ops.load_library(str(library))
+        return
+    if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_BUILD_SECONDS:
+        lock.unlink(missing_ok=True)  # left by a build that was killed: later ones would wait
+    # cpp_extension holds the baton while it builds, so processes starting together (pytest -n,
+    # one per rank) build once and load a finished library.
     from torch.utils import cpp_extension
 
-    out = cache_dir()
     out.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
         name=_LIBRARY,

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import copy
 import gc
+import os
 import threading
+import time
 import warnings
 
 import pytest
@@ -234,3 +236,24 @@ def test_operators_listed_between_forward_and_recompute_change_nothing(monkeypat
         assert torch.equal(param.grad, expected[name]), name
     contexts.context_fn("selective")()  # no recompute pending: listed now
     assert "prime_ac_test_between::project" in intercept._names
+
+
+def test_a_build_killed_midway_does_not_block_later_processes(tmp_path, monkeypatch):
+    """cpp_extension waits for its build baton forever; one left by a killed build is removed."""
+    from torch.utils import cpp_extension
+
+    builds = []
+
+    def build(**kwargs):  # stands in for the compiler: records what a real build would see
+        builds.append((kwargs["build_directory"], (out / "lock").exists()))
+
+    monkeypatch.setenv("PRIME_AC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", build)
+    out = intercept.cache_dir()
+    out.mkdir(parents=True)
+    (out / "lock").touch()
+    intercept._load_fallback()  # a fresh baton: another process is building, so wait for it
+    stale = time.time() - intercept._STALE_BUILD_SECONDS - 60
+    os.utime(out / "lock", (stale, stale))
+    intercept._load_fallback()
+    assert builds == [(str(out), True), (str(out), False)]

@@ -65,7 +65,8 @@ def csrc_dir() -> Path:
 def _sources_digest() -> str:
     digest = hashlib.sha256()
     root = csrc_dir()
-    for path in sorted(p for p in root.rglob("*") if p.suffix in (".h", ".cuh", ".cpp", ".cu")):
+    files = [*root.glob("*"), *(root / "cpu").glob("*"), *(root / "cuda").glob("*")]
+    for path in sorted(p for p in files if p.suffix in (".h", ".cuh", ".cpp", ".cu")):
         digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:12]
 
@@ -153,6 +154,8 @@ def load() -> bool:
     except FileNotFoundError:  # no sources, so no build of them either
         return False
     for out in dirs:
+        if (out / "lock").exists():  # cpp_extension's baton: a build is writing the library now
+            continue
         libs = sorted(out.glob(f"{LIBRARY}*.so"), key=lambda p: p.stat().st_mtime)
         if libs:
             torch.ops.load_library(str(libs[-1]))
