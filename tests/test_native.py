@@ -550,3 +550,19 @@ def test_cuda_sources_compile(tmp_path):
         pytest.skip(f"the native ops need torch >= 2.10 (stable ABI), not {torch.__version__}")
     objects = native_build.check_cuda_sources(tmp_path)
     assert len(objects) == 3 and all(o.stat().st_size > 0 for o in objects)
+
+
+def test_a_process_that_found_no_build_keeps_the_python_paths(tmp_path, monkeypatch):
+    """A library another process finishes later must not switch ops over mid-run (the native
+    kernels differ from the chains in the last bits): the first load decides."""
+    monkeypatch.setenv("PRIME_OPS_NATIVE_DIR", str(tmp_path))
+    monkeypatch.setattr(native_build, "_loaded", None)
+    monkeypatch.setattr(native_build, "_found_none", False)
+    if not native_build.torch_supported():
+        assert native_build.load() is False
+        return
+    assert native_build.load() is False
+    out = native_build.cache_dir(False)
+    out.mkdir(parents=True)
+    (out / f"{native_build.LIBRARY}.so").write_bytes(b"finished meanwhile by another process")
+    assert native_build.load() is False  # loading it would raise: not even tried

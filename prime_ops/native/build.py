@@ -36,6 +36,10 @@ __all__ = [
 ]
 
 _loaded: Path | None = None  # the library this process loaded (a process can load it once)
+# A load that found no build is final for the process (until it builds one itself): a library
+# another process finishes meanwhile would switch ops from the Python chains to the native
+# kernels halfway through a run, and their results differ in the last bits (router gradients).
+_found_none = False
 
 BUILD_COMMAND = "python -m prime_ops.native"
 LIBRARY = "prime_ops_native"
@@ -142,11 +146,15 @@ def build(*, cuda: bool | None = None, verbose: bool = False) -> Path:
 
 
 def load() -> bool:
-    """Load the cached library if a build exists (no compiler needed); True once loaded."""
-    global _loaded
+    """Load the cached library if a build exists (no compiler needed); True once loaded.
+
+    Decided on the first call: a process that found no build keeps the Python paths until it
+    calls :func:`build` itself.
+    """
+    global _loaded, _found_none
     if _loaded is not None:
         return True
-    if not torch_supported():
+    if _found_none or not torch_supported():
         return False
     try:
         dirs = [cache_dir(True)] if torch.version.cuda else []
@@ -161,6 +169,7 @@ def load() -> bool:
             torch.ops.load_library(str(libs[-1]))
             _loaded = libs[-1]
             return True
+    _found_none = True
     return False
 
 
