@@ -35,6 +35,7 @@ __all__ = [
     "excluding_intercept_key",
     "has_composite_kernel",
     "hop_registry_size",
+    "intercept_key_included",
     "intercept_key_taken",
     "is_composite_implicit",
     "is_traceable_wrapper_subclass",
@@ -45,7 +46,6 @@ __all__ = [
     "sac_hops",
     "schema_is_mutable",
     "schema_of",
-    "set_intercept_key_included",
     "set_eval_frame",
     "storage_id",
     "tree_flatten",
@@ -263,12 +263,9 @@ def intercept_key_taken() -> bool:
     return torch._C._dispatch_has_backend_fallback(INTERCEPT_KEY)
 
 
-def set_intercept_key_included(included: bool) -> bool:
-    """Include the key in this thread's dispatch key set or not; returns the previous state."""
-    prior = torch._C._dispatch_tls_is_dispatch_key_included(INTERCEPT_KEY)
-    if prior != included:
-        torch._C._dispatch_tls_set_dispatch_key_included(INTERCEPT_KEY, included)
-    return prior
+def intercept_key_included() -> bool:
+    """Whether this thread's dispatch key set includes the key (a region runs on it)."""
+    return torch._C._dispatch_tls_is_dispatch_key_included(INTERCEPT_KEY)
 
 
 def excluding_intercept_key() -> Any:

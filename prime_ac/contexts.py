@@ -116,13 +116,15 @@ class Rules:
         self.writes: dict[Any, tuple[tuple[int, str], ...] | None] = {}
         self._classify = policy.classify if isinstance(policy, OperatorPolicy) else None
         self._planned = {operator_key(op) for op in self.plan}
-        self._listed = 0  # registry entries already given kernels
+        self.table: Any = None  # the codes gates read (prime_ac.intercept), made on first use
+        self._listed = 0  # registry entries already given gates
+        self._coded = 0  # gated operators already coded in the table
         self._hops = -1  # size of the higher-order operator registry then
 
     def intercepts(self) -> bool:
         """Whether regions can use the dispatch key: the decision must follow from operator names
-        (a policy callable wants every call) and the key must be free. Also registers the kernels
-        for operators registered since the last call."""
+        (a policy callable wants every call) and the key must be free. Also adds the gates for
+        operators registered since the last call and codes every gated operator in the table."""
         if self._classify is None or not intercept.available():
             return False
         entries = intercept.registry(relist=not _awaiting_recompute)
@@ -134,8 +136,15 @@ class Rules:
                 if mutable or key in self._planned or self.policy.may_keep(key)
                 if (op := intercept.resolve(key)) is not None and op not in IGNORED_OPS
             ]
-            intercept.ensure_kernels([*ops, *_compat.sac_hops()])
+            intercept.ensure_gates([*ops, *_compat.sac_hops()])
             self._listed = len(entries)
+        gated = intercept.gated()
+        if self._coded != len(gated):  # including the gates other policies added
+            if self.table is None:
+                self.table = intercept.new_table()
+            for op in gated[self._coded :]:
+                self.table.set(op._schema.name, op._schema.overload_name, self.action(op))
+            self._coded = len(gated)
         return True
 
     def action(self, op: Any) -> int:
@@ -183,6 +192,7 @@ class RegionCache:
         "hits",
         "name",
         "stored",
+        "watch",
     )
 
     def __init__(self, name: str):
@@ -194,6 +204,7 @@ class RegionCache:
         self.hits = 0  # kept results handed to the recompute
         self.copies = 0
         self.copied_bytes = 0
+        self.watch: Callable[[int], None] | None = None  # told each storage held (key regions)
 
     def keep(self, op: Any, index: int, out: Any) -> None:
         if isinstance(out, torch.Tensor):
@@ -218,6 +229,8 @@ class RegionCache:
         sid = _compat.storage_id(t)
         if sid is not None:
             self.held.setdefault(sid, []).append((op, index))
+            if self.watch is not None:
+                self.watch(sid)
 
     def copy_before_write(self, tensors: Iterable[torch.Tensor]) -> None:
         """Replace every kept result sharing a storage with ``tensors`` by a copy of it."""
@@ -447,17 +460,19 @@ _awaiting_recompute: weakref.WeakSet[RegionCache] = weakref.WeakSet()
 
 
 class KeepRegion(_Keeping):
-    """The forward through the dispatch key: only operators with a kernel reach Python."""
+    """The forward through the dispatch key: only the calls the rules act on reach Python."""
 
     run = staticmethod(intercept.run_below)
 
     def __enter__(self) -> KeepRegion:
-        self._intercepting = intercept.Intercepting(self.handle).__enter__()
+        self._intercepting = intercept.Intercepting(self.rules.table, RUN, self.handle)
+        self.cache.watch = self._intercepting.hold  # writes to kept storages come to Python
+        self._intercepting.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._intercepting.__exit__(*exc)
-        self.cache.held = {}
+        self.cache.held, self.cache.watch = {}, None
         if self.cache.entries:
             _awaiting_recompute.add(self.cache)
 
@@ -477,7 +492,8 @@ class ReplayRegion(_Replaying):
         self._scopes: list[Any] = []
         if not self.cache.entries:  # nothing kept: recompute exactly as plain checkpointing
             return self
-        self._scopes.append(intercept.Intercepting(self.handle).__enter__())
+        self._scopes.append(intercept.Intercepting(self.rules.table, WRITE, self.handle))
+        self._scopes[0].__enter__()
         if _compat.dispatch_mode_active():
             self._scopes.append(_Shield(self).__enter__())
         return self

@@ -140,14 +140,12 @@ def test_a_region_on_one_thread_leaves_other_threads_alone():
     keep, _ = _contexts("selective")
     included = []
     with keep:
-        thread = threading.Thread(
-            target=lambda: included.append(_compat.set_intercept_key_included(False))
-        )
+        thread = threading.Thread(target=lambda: included.append(_compat.intercept_key_included()))
         thread.start()
         thread.join()
-        assert _compat.set_intercept_key_included(True) is True
+        assert _compat.intercept_key_included()
     assert included == [False]
-    assert _compat.set_intercept_key_included(False) is False
+    assert not _compat.intercept_key_included()
 
 
 def test_an_operator_registered_after_the_policy_gets_its_kernel(monkeypatch):
@@ -165,7 +163,7 @@ def test_an_operator_registered_after_the_policy_gets_its_kernel(monkeypatch):
 
 
 def test_the_key_taken_by_another_library_means_dispatch_modes(monkeypatch):
-    monkeypatch.setattr(intercept, "_usable", [False])
+    monkeypatch.setattr(intercept, "_native", [None])
     keep, replay = _contexts("selective")
     assert isinstance(keep, contexts.KeepMode) and isinstance(replay, contexts.ReplayMode)
 
@@ -174,8 +172,8 @@ def test_a_failed_build_warns_once_and_means_dispatch_modes(monkeypatch):
     def no_compiler():
         raise RuntimeError("Ninja is required to load C++ extensions")
 
-    monkeypatch.setattr(intercept, "_usable", [])
-    monkeypatch.setattr(intercept, "_load_fallback", no_compiler)
+    monkeypatch.setattr(intercept, "_native", [])
+    monkeypatch.setattr(intercept, "_load_native", no_compiler)
     monkeypatch.setattr(_compat, "intercept_key_taken", lambda: False)
     with pytest.warns(RuntimeWarning, match="pip install ninja"):
         keep, _ = _contexts("selective")
@@ -187,7 +185,7 @@ def test_a_failed_build_warns_once_and_means_dispatch_modes(monkeypatch):
 
 
 def test_prime_ac_intercept_0_means_dispatch_modes(monkeypatch):
-    monkeypatch.setattr(intercept, "_usable", [])
+    monkeypatch.setattr(intercept, "_native", [])
     monkeypatch.setenv("PRIME_AC_INTERCEPT", "0")
     keep, _ = _contexts("selective")
     assert isinstance(keep, contexts.KeepMode)
@@ -201,16 +199,18 @@ class CallsLateOp(nn.Module):
     def forward(self, x):
         h = torch.mm(x, self.w[0]).tanh()
         h = torch.ops.prime_ac_test_between.project(h, self.w[1]).tanh()  # an mm inside
-        return torch.mm(h, self.w[2])
+        return torch.mm(h, self.w[2]).tanh()  # its backward reads the kept mm result
 
 
 def test_operators_listed_between_forward_and_recompute_change_nothing(monkeypatch):
-    """A composite operator listed after a forward would make its recompute see fewer calls (its
-    inner mm) and hand the wrong kept results back: no listing while a recompute is pending."""
+    """A target listed after a forward would get a gate: its recompute would run it as one call,
+    see fewer mm calls than the forward kept (its inner mm) and hand the wrong kept results
+    back. No listing while a recompute is pending."""
     gc.collect()  # earlier tests' forwards that never ran backward hold off listing until freed
     model, x = CallsLateOp(), torch.randn(8, 8)
     monkeypatch.setattr(intercept, "RELIST_SECONDS", 0.0)
-    contexts.context_fn("selective")()  # everything registered so far is listed
+    targets = ["aten::mm", "prime_ac_test_between::project"]
+    contexts.context_fn("selective", targets)()  # everything registered so far is listed
 
     @torch.library.custom_op("prime_ac_test_between::project", mutates_args=())
     def project(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -225,17 +225,18 @@ def test_operators_listed_between_forward_and_recompute_change_nothing(monkeypat
     expected = _grads(copy.deepcopy(model), x)
 
     monkeypatch.setattr(intercept, "RELIST_SECONDS", 1e9)
-    context_fn = contexts.context_fn("selective")
+    context_fn = contexts.context_fn("selective", targets)
     out = checkpoint(model, x, use_reentrant=False, context_fn=context_fn)
     loss = out.square().sum()  # the inner mm is seen and kept: the op is not listed yet
     monkeypatch.setattr(intercept, "RELIST_SECONDS", 0.0)
-    contexts.context_fn("selective")()  # would list it now, between forward and recompute
+    contexts.context_fn("selective", targets)()  # would list it now, between forward and recompute
     assert "prime_ac_test_between::project" not in intercept._names
     loss.backward()
     for name, param in model.named_parameters():
         assert torch.equal(param.grad, expected[name]), name
-    contexts.context_fn("selective")()  # no recompute pending: listed now
+    contexts.context_fn("selective", targets)()  # no recompute pending: listed now
     assert "prime_ac_test_between::project" in intercept._names
+    assert torch.ops.prime_ac_test_between.project.default in intercept.gated()
 
 
 def test_a_build_killed_midway_does_not_block_later_processes(tmp_path, monkeypatch):
@@ -252,8 +253,8 @@ def test_a_build_killed_midway_does_not_block_later_processes(tmp_path, monkeypa
     out = intercept.cache_dir()
     out.mkdir(parents=True)
     (out / "lock").touch()
-    intercept._load_fallback()  # a fresh baton: another process is building, so wait for it
+    intercept._load_native()  # a fresh baton: another process is building, so wait for it
     stale = time.time() - intercept._STALE_BUILD_SECONDS - 60
     os.utime(out / "lock", (stale, stale))
-    intercept._load_fallback()
+    intercept._load_native()
     assert builds == [(str(out), True), (str(out), False)]
