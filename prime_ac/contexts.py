@@ -206,14 +206,16 @@ class RegionCache:
         self.copied_bytes = 0
         self.watch: Callable[[int], None] | None = None  # told each storage held (key regions)
 
-    def keep(self, op: Any, index: int, out: Any) -> None:
+    def keep(self, op: Any, index: int, out: Any, detached: bool = False) -> None:
+        """Store ``out``, detaching its tensors unless ``detached`` says they are already."""
+        detach = _keep_as_is if detached else _compat.detach
         if isinstance(out, torch.Tensor):
-            value = _compat.detach(out)
+            value = detach(out)
             entry = [value, None, _compat.version(value)]
             self._hold(value, op, index)
         else:
             leaves, spec = _compat.tree_flatten(out)
-            leaves = [_compat.detach(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+            leaves = [detach(x) if isinstance(x, torch.Tensor) else x for x in leaves]
             entry = [leaves, spec, [_version_or_none(x) for x in leaves]]
             for leaf in leaves:
                 if isinstance(leaf, torch.Tensor):
@@ -294,6 +296,10 @@ class RegionCache:
         )
 
 
+def _keep_as_is(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def _version_or_none(x: Any) -> int | None:
     return _compat.version(x) if isinstance(x, torch.Tensor) else None
 
@@ -353,8 +359,7 @@ class _Keeping(_Decisions):
             return out
         if action == SYNC and not reads_device_into_host(func, args, kwargs):
             return out
-        index = cache.forward_calls.get(func, 0)
-        cache.forward_calls[func] = index + 1
+        index = self._count(func)
         if action == PLANNED:
             if index not in self.rules.plan[func]:
                 return out
@@ -367,6 +372,15 @@ class _Keeping(_Decisions):
                 return out
         cache.keep(func, index, out)
         return out
+
+    def _count(self, func: Any) -> int:
+        index = self.cache.forward_calls.get(func, 0)
+        self.cache.forward_calls[func] = index + 1
+        return index
+
+    def kept(self, func: Any, out: Any) -> None:
+        """Keep the result of a call of an operator kept every call (from the key's gate)."""
+        self.cache.keep(func, self._count(func), out, detached=True)
 
 
 class _Replaying(_Decisions):
@@ -381,16 +395,22 @@ class _Replaying(_Decisions):
     def _dispatch(self, func: Any, action: int, args: tuple, kwargs: dict) -> Any:
         if action == SYNC and not reads_device_into_host(func, args, kwargs):
             return self.run(func, args, kwargs)
+        out = self.kept(func)
+        return self.run(func, args, kwargs) if out is NotImplemented else out
+
+    def kept(self, func: Any) -> Any:
+        """The kept result for the next call of ``func``, or NotImplemented when the recompute
+        runs the call; raises when the kept results and the calls no longer match."""
         cache = self.cache
         index = self.calls.get(func, 0)
         self.calls[func] = index + 1
         kept = cache.entries.get(func)
         if kept is None:  # this operator kept nothing here: an extra call changes nothing
-            return self.run(func, args, kwargs)
+            return NotImplemented
         entry = kept.get(index, _MISSING)
         if entry is _MISSING:
             if index < cache.forward_calls.get(func, 0):  # marked for replay
-                return self.run(func, args, kwargs)
+                return NotImplemented
             raise cache.mismatch(func, index)
         if entry is _CONSUMED:
             raise CheckpointError(
@@ -465,7 +485,7 @@ class KeepRegion(_Keeping):
     run = staticmethod(intercept.run_below)
 
     def __enter__(self) -> KeepRegion:
-        self._intercepting = intercept.Intercepting(self.rules.table, RUN, self.handle)
+        self._intercepting = intercept.Intercepting(self.rules.table, False, self.handle, self.kept)
         self.cache.watch = self._intercepting.hold  # writes to kept storages come to Python
         self._intercepting.__enter__()
         return self
@@ -492,7 +512,7 @@ class ReplayRegion(_Replaying):
         self._scopes: list[Any] = []
         if not self.cache.entries:  # nothing kept: recompute exactly as plain checkpointing
             return self
-        self._scopes.append(intercept.Intercepting(self.rules.table, WRITE, self.handle))
+        self._scopes.append(intercept.Intercepting(self.rules.table, True, self.handle, self.kept))
         self._scopes[0].__enter__()
         if _compat.dispatch_mode_active():
             self._scopes.append(_Shield(self).__enter__())

@@ -226,20 +226,30 @@ def new_table() -> Any:
 
 
 class Intercepting:
-    """Route this thread's gated operators whose code in ``table`` is above ``limit`` to
-    ``handler(op, args, kwargs)`` while active; ``hold(storage_id)`` makes writes to that storage
-    go to the handler too. Nests: the innermost region handles, and leaving restores the outer
-    one."""
+    """Route this thread's gated operators to a region while active. Nests: the innermost region
+    handles, and leaving restores the outer one.
 
-    __slots__ = ("_handler", "_limit", "_region", "_table")
+    ``table`` holds the region's action codes. ``handler(op, args, kwargs)`` takes the calls the
+    codes send to Python; ``kept`` takes the calls of operators kept every call: ``kept(op, out)``
+    after the call ran in the forward (``out`` detached), ``kept(op)`` in the recompute, returning
+    the kept result or NotImplemented to run the call. ``hold(storage_id)`` sends the forward's
+    writes to that storage to the handler.
+    """
 
-    def __init__(self, table: Any, limit: int, handler: Handler):
-        self._table, self._limit, self._handler = table, limit, handler
+    __slots__ = ("_handler", "_kept", "_recompute", "_region", "_table")
+
+    def __init__(self, table: Any, recompute: bool, handler: Handler, kept: Callable[..., Any]):
+        self._table, self._recompute, self._handler, self._kept = table, recompute, handler, kept
 
     def __enter__(self) -> Intercepting:
-        # Made here and dropped on leaving: the native region holds the handler, usually a bound
-        # method of the object holding this one, a cycle the garbage collector cannot see.
-        self._region = _native[0].Region(self._table, self._limit, _without_dynamo(self._handler))
+        # Made here and dropped on leaving: the native region holds the callbacks, usually bound
+        # methods of the object holding this one, a cycle the garbage collector cannot see.
+        self._region = _native[0].Region(
+            self._table,
+            self._recompute,
+            _without_dynamo(self._handler),
+            _without_dynamo(self._kept),
+        )
         self._region.enter()
         return self
 
@@ -251,12 +261,12 @@ class Intercepting:
         self._region.hold(storage_id)
 
 
-def _without_dynamo(handler: Handler) -> Handler:
-    def handle(op: Any, args: tuple, kwargs: dict) -> Any:
+def _without_dynamo(callback: Callable[..., Any]) -> Callable[..., Any]:
+    def call(*args: Any) -> Any:
         prior = _compat.set_eval_frame(None)  # no dynamo inside (see _compat.DispatchMode)
         try:
-            return handler(op, args, kwargs)
+            return callback(*args)
         finally:
             _compat.set_eval_frame(prior)
 
-    return handle
+    return call

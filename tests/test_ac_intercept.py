@@ -76,21 +76,26 @@ def test_regions_use_the_key_unless_a_mode_is_active_or_the_policy_is_a_callable
 
 def test_only_kept_and_writing_operators_reach_python(monkeypatch):
     seen = []
-    handle = contexts.KeepRegion.handle
+    handle, kept = contexts.KeepRegion.handle, contexts.KeepRegion.kept
 
-    def spy(self, func, args, kwargs):
-        seen.append(func)
+    def spy_handle(self, func, args, kwargs):
+        seen.append(("handle", func))
         return handle(self, func, args, kwargs)
 
-    monkeypatch.setattr(contexts.KeepRegion, "handle", spy)
+    def spy_kept(self, func, out):
+        seen.append(("kept", func))
+        return kept(self, func, out)
+
+    monkeypatch.setattr(contexts.KeepRegion, "handle", spy_handle)
+    monkeypatch.setattr(contexts.KeepRegion, "kept", spy_kept)
     model, x = Block(), torch.randn(4, 8, requires_grad=True)
     keep, _ = _contexts("selective")
     with keep:
         model(x)
-    # addmm is a target. gelu, exp, clamp, add never reach Python, and neither do the writes
-    # that zeros_like, index_add and clone make inside their kernels (zero_, copy_, scatter_add_):
-    # a dispatch mode would not see them either.
-    assert seen == [torch.ops.aten.addmm.default] * 2
+    # addmm is a target: it runs in C++ and only its result reaches Python. gelu, exp, clamp and
+    # add never reach Python, and neither do the writes that zeros_like, index_add and clone
+    # make (zero_, copy_, index_add_), which hit no storage holding a kept result.
+    assert seen == [("kept", torch.ops.aten.addmm.default)] * 2
     assert keep.cache.stored == 2
 
 

@@ -29,10 +29,15 @@ namespace {
 
 constexpr auto kKey = c10::DispatchKey::CustomRNGKeyId;
 
-// Action codes of prime_ac/contexts.py that C++ tells apart; any code above a region's limit
-// goes to Python.
+// Action codes of prime_ac/contexts.py that C++ tells apart; any other code above a region's
+// limit goes to the Python handler.
 constexpr int kUnknown = -1;
+constexpr int kRun = 1;
 constexpr int kWrite = 2;
+constexpr int kKeep = 3;
+
+// What a gate does with a call.
+enum class Route { kBelow, kHandler, kKept };
 
 void run_below(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   c10::impl::ExcludeDispatchKeyGuard guard(kKey);
@@ -71,12 +76,17 @@ const void* storage_of(const at::Tensor& t) {
   return t.defined() && t.has_storage() ? t.storage().unsafeGetStorageImpl() : nullptr;
 }
 
-// One side of a region on one thread: codes up to `limit` run below the key in C++, except
-// writes (in the forward) to a storage that holds a kept result, which Python copies first.
+// One side of a region (the forward, or its recompute) on one thread. Codes up to RUN, and up to
+// WRITE in the recompute, run below the key in C++; so do writes in the forward, unless they hit
+// a storage that holds a kept result, which Python copies first.
 class Region {
  public:
-  Region(std::shared_ptr<Table> table, int limit, py::object handle)
-      : table_(std::move(table)), limit_(limit), handle_(std::move(handle)) {}
+  Region(std::shared_ptr<Table> table, bool recompute, py::object handle, py::object kept)
+      : table_(std::move(table)),
+        recompute_(recompute),
+        limit_(recompute ? kWrite : kRun),
+        handle_(std::move(handle)),
+        kept_(std::move(kept)) {}
 
   void enter() {
     prior_ = current_;
@@ -99,19 +109,33 @@ class Region {
     return current_;
   }
 
+  // handle(op, args, kwargs) -> out: the whole call, for codes C++ does not act on.
   const py::object& handle() const {
     return handle_;
   }
 
-  bool wants(const c10::OperatorHandle& op, const torch::jit::Stack& stack) const {
+  // The forward: kept(op, out) after the call ran, with out detached. The recompute:
+  // kept(op) -> the kept result, or NotImplemented to run the call.
+  const py::object& kept() const {
+    return kept_;
+  }
+
+  bool recomputes() const {
+    return recompute_;
+  }
+
+  Route route(const c10::OperatorHandle& op, const torch::jit::Stack& stack) const {
     const int code = table_->code(op);
+    if (code == kKeep) {
+      return Route::kKept;
+    }
     if (code == kUnknown) {
-      return true;
+      return Route::kHandler;
     }
-    if (code <= limit_) {
-      return false;
+    if (code <= limit_ || (code == kWrite && !writes_held_storage(op, stack))) {
+      return Route::kBelow;
     }
-    return code != kWrite || writes_held_storage(op, stack);
+    return Route::kHandler;
   }
 
  private:
@@ -144,8 +168,10 @@ class Region {
   }
 
   std::shared_ptr<Table> table_;
+  bool recompute_;
   int limit_;
   py::object handle_;
+  py::object kept_;
   std::unordered_set<const void*> held_;
   Region* prior_ = nullptr;
   bool prior_included_ = false;
@@ -167,7 +193,48 @@ Registrations& registrations() {
   return *registered;
 }
 
-void call_python(const Region& region, const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+// The Python value of the returns on top of the stack (as the operator returns them: one value,
+// or a tuple), with every tensor detached: a new TensorImpl sharing storage and version counter.
+py::object detached_returns(const c10::FunctionSchema& schema, const torch::jit::Stack& stack) {
+  const auto& returns = schema.returns();
+  const auto values = torch::jit::last(stack, returns.size());
+  auto detached = [](const c10::IValue& value) -> py::object {
+    if (value.isTensor()) {
+      const auto& t = value.toTensor();
+      return torch::jit::toPyObject(t.defined() ? c10::IValue(t.tensor_data()) : value);
+    }
+    if (value.isTensorList()) {
+      py::list list;
+      for (const auto& t : value.toTensorVector()) {
+        list.append(torch::jit::toPyObject(t.defined() ? t.tensor_data() : t));
+      }
+      return list;
+    }
+    return torch::jit::toPyObject(value);
+  };
+  if (returns.size() == 1) {
+    return detached(values[0]);
+  }
+  py::tuple out(returns.size());
+  for (size_t i = 0; i < returns.size(); ++i) {
+    out[i] = detached(values[i]);
+  }
+  return out;
+}
+
+void push_returns(const c10::FunctionSchema& schema, const py::object& out, torch::jit::Stack* stack) {
+  const auto& returns = schema.returns();
+  if (returns.size() == 1) {
+    stack->push_back(torch::jit::toIValue(out, returns[0].type()));
+    return;
+  }
+  auto outs = py::reinterpret_borrow<py::tuple>(out);
+  for (size_t i = 0; i < returns.size(); ++i) {
+    stack->push_back(torch::jit::toIValue(outs[i], returns[i].type()));
+  }
+}
+
+void call_handler(const Region& region, const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   py::gil_scoped_acquire gil;
   const auto& schema = op.schema();
   const auto& arguments = schema.arguments();
@@ -184,24 +251,45 @@ void call_python(const Region& region, const c10::OperatorHandle& op, torch::jit
   }
   torch::jit::drop(*stack, arguments.size());
   py::object out = region.handle()(registrations().python_ops.at(op), py::tuple(args), kwargs);
-  const auto& returns = schema.returns();
-  if (returns.size() == 1) {
-    stack->push_back(torch::jit::toIValue(out, returns[0].type()));
+  push_returns(schema, out, stack);
+}
+
+// A kept operator (code KEEP) without the Python round trip of its arguments: the forward runs
+// it here and hands Python only the detached results to store; the recompute asks Python for the
+// kept result and runs the call only when told to.
+void call_kept(
+    const Region& region,
+    const c10::OperatorHandle& op,
+    c10::DispatchKeySet keys,
+    torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  if (region.recomputes()) {
+    py::gil_scoped_acquire gil;
+    py::object out = region.kept()(registrations().python_ops.at(op));
+    if (out.ptr() != Py_NotImplemented) {
+      torch::jit::drop(*stack, schema.arguments().size());
+      push_returns(schema, out, stack);
+      return;
+    }
+    py::gil_scoped_release no_gil;
+    run_below(op, keys, stack);
     return;
   }
-  auto outs = py::reinterpret_borrow<py::tuple>(out);
-  for (size_t i = 0; i < returns.size(); ++i) {
-    stack->push_back(torch::jit::toIValue(outs[i], returns[i].type()));
-  }
+  run_below(op, keys, stack);
+  py::gil_scoped_acquire gil;
+  region.kept()(registrations().python_ops.at(op), detached_returns(schema, *stack));
 }
 
 void gate(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   const Region* region = Region::current();
-  if (region != nullptr && region->wants(op, *stack)) {
-    call_python(*region, op, stack);
-    return;
+  const auto route = region == nullptr ? Route::kBelow : region->route(op, *stack);
+  if (route == Route::kHandler) {
+    call_handler(*region, op, stack);
+  } else if (route == Route::kKept) {
+    call_kept(*region, op, keys, stack);
+  } else {
+    run_below(op, keys, stack);
   }
-  run_below(op, keys, stack);
 }
 
 c10::RegistrationHandleRAII register_on_key(const c10::OperatorName& name, c10::KernelFunction kernel) {
@@ -259,7 +347,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<>())
       .def("set", &Table::set, py::arg("name"), py::arg("overload"), py::arg("code"));
   py::class_<Region>(m, "Region")
-      .def(py::init<std::shared_ptr<Table>, int, py::object>())
+      .def(py::init<std::shared_ptr<Table>, bool, py::object, py::object>())
       .def("enter", &Region::enter)
       .def("exit", &Region::exit)
       .def("hold", &Region::hold);
