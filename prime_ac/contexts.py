@@ -178,8 +178,8 @@ class RegionCache:
     """The kept results of one checkpointed region, shared by its two modes.
 
     ``entries[op][index]`` is ``[value, spec, versions]``: a detached tensor, its tree spec
-    (None for a single tensor) and the version counter(s) it had when kept. ``copies`` and
-    ``copied_bytes`` count the copy-on-write copies.
+    (None for a single tensor, ``tuple`` for a tuple of tensors) and the version counter(s) it
+    had when kept. ``copies`` and ``copied_bytes`` count the copy-on-write copies.
     """
 
     __slots__ = (
@@ -214,7 +214,10 @@ class RegionCache:
             entry = [value, None, _compat.version(value)]
             self._hold(value, op, index)
         else:
-            leaves, spec = _compat.tree_flatten(out)
+            if type(out) is tuple and all(isinstance(x, torch.Tensor) for x in out):
+                leaves, spec = list(out), tuple  # most multi-output operators: no tree spec
+            else:
+                leaves, spec = _compat.tree_flatten(out)
             leaves = [detach(x) if isinstance(x, torch.Tensor) else x for x in leaves]
             entry = [leaves, spec, [_version_or_none(x) for x in leaves]]
             for leaf in leaves:
@@ -270,7 +273,7 @@ class RegionCache:
         for leaf, seen in zip(value, versions, strict=True):
             if seen is not None and _compat.version(leaf) != seen:
                 raise self._mutated(op, index)
-        return _compat.tree_unflatten(value, spec)
+        return tuple(value) if spec is tuple else _compat.tree_unflatten(value, spec)
 
     def _mutated(self, op: Any, index: int) -> KeptOutputMutatedError:
         return KeptOutputMutatedError(
