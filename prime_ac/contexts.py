@@ -143,9 +143,15 @@ class Rules:
             if self.table is None:
                 self.table = intercept.new_table()
             for op in gated[self._coded :]:
-                self.table.set(op._schema.name, op._schema.overload_name, self.action(op))
+                self.code(op)
             self._coded = len(gated)
         return True
+
+    def code(self, op: Any) -> int:
+        """The action code of ``op``, also written to the table (for a gate that lacked it)."""
+        code = self.action(op)
+        self.table.set(op._schema.name, op._schema.overload_name, code)
+        return code
 
     def action(self, op: Any) -> int:
         code = self.actions.get(op)
@@ -179,36 +185,58 @@ class RegionCache:
 
     ``entries[op][index]`` is ``[value, spec, versions]``: a detached tensor, its tree spec
     (None for a single tensor, ``tuple`` for a tuple of tensors) and the version counter(s) it
-    had when kept. ``copies`` and ``copied_bytes`` count the copy-on-write copies.
+    had when kept. A region on the dispatch key keeps the operators kept every call in its
+    native ``store`` instead (C++, same checks); ``stored`` and ``hits`` count both.
+    ``copies`` and ``copied_bytes`` count the copy-on-write copies.
     """
 
     __slots__ = (
         "__weakref__",
+        "_hits",
+        "_stored",
         "copied_bytes",
         "copies",
         "entries",
         "forward_calls",
         "held",
-        "hits",
         "name",
-        "stored",
-        "watch",
+        "store",
     )
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, store: Any = None):
         self.name = name
+        self.store = store  # intercept.new_store() for a region on the key
         self.entries: dict[Any, dict[int, Any]] = {}
         self.forward_calls: dict[Any, int] = {}  # counted calls per operator in the forward
         self.held: dict[int, list[tuple[Any, int]]] = {}  # storage id -> entries holding it
-        self.stored = 0  # kept results stored by the forward
-        self.hits = 0  # kept results handed to the recompute
+        self._stored = 0  # kept results stored by the forward
+        self._hits = 0  # kept results handed to the recompute
         self.copies = 0
         self.copied_bytes = 0
-        self.watch: Callable[[int], None] | None = None  # told each storage held (key regions)
 
-    def keep(self, op: Any, index: int, out: Any, detached: bool = False) -> None:
-        """Store ``out``, detaching its tensors unless ``detached`` says they are already."""
-        detach = _keep_as_is if detached else _compat.detach
+    @property
+    def stored(self) -> int:
+        """Kept results stored by the forward."""
+        return self._stored + (self.store.stored if self.store is not None else 0)
+
+    @property
+    def hits(self) -> int:
+        """Kept results handed to the recompute."""
+        return self._hits + (self.store.hits if self.store is not None else 0)
+
+    def keeps(self) -> bool:
+        """Whether the forward kept anything (else the recompute needs no interception)."""
+        return bool(self.entries) or self.stored > 0
+
+    def kept_ops(self) -> set[Any]:
+        """The operators with kept results."""
+        ops = set(self.entries)
+        if self.store is not None:
+            ops.update(intercept.resolve_schema(*name) for name in self.store.kept_ops())
+        return ops
+
+    def keep(self, op: Any, index: int, out: Any) -> None:
+        detach = _compat.detach
         if isinstance(out, torch.Tensor):
             value = detach(out)
             entry = [value, None, _compat.version(value)]
@@ -224,7 +252,7 @@ class RegionCache:
                 if isinstance(leaf, torch.Tensor):
                     self._hold(leaf, op, index)
         self.entries.setdefault(op, {})[index] = entry
-        self.stored += 1
+        self._stored += 1
 
     def handed_back(self, op: Any) -> int:
         """How many kept results of ``op`` the recompute received (and so did not rerun)."""
@@ -234,13 +262,17 @@ class RegionCache:
         sid = _compat.storage_id(t)
         if sid is not None:
             self.held.setdefault(sid, []).append((op, index))
-            if self.watch is not None:
-                self.watch(sid)
+            if self.store is not None:  # writes to it must reach Python
+                self.store.hold(sid)
 
     def copy_before_write(self, tensors: Iterable[torch.Tensor]) -> None:
         """Replace every kept result sharing a storage with ``tensors`` by a copy of it."""
         for t in tensors:
             sid = _compat.storage_id(t)
+            if sid is not None and self.store is not None:
+                copies, copied_bytes = self.store.copy_before_write(sid)
+                self.copies += copies
+                self.copied_bytes += copied_bytes
             for op, index in self.held.pop(sid, ()):
                 entry = self.entries[op][index]
                 if entry[1] is None:
@@ -284,8 +316,17 @@ class RegionCache:
             f"{op} out of the targets (mandatory operators cannot be left out)."
         )
 
-    def mismatch(self, op: Any, index: int) -> ReplayMismatchError:
-        ran = self.forward_calls.get(op, 0)
+    def error(self, kind: str, op: Any, index: int, ran: int) -> CheckpointError:
+        """The error for call ``index`` of ``op`` in the recompute (``kind`` from the native
+        store; ``ran``: the forward's calls)."""
+        if kind == "mutated":
+            return self._mutated(op, index)
+        if kind == "consumed":
+            return _second_backward(self.name)
+        return self.mismatch(op, index, ran)
+
+    def mismatch(self, op: Any, index: int, ran: int | None = None) -> ReplayMismatchError:
+        ran = self.forward_calls.get(op, 0) if ran is None else ran
         return ReplayMismatchError(
             f"prime_ac: the recompute of {self.name} called {op} a {_ordinal(index + 1)} time, "
             f"but its forward called it {ran} time(s) and kept the results: the recompute would "
@@ -299,8 +340,12 @@ class RegionCache:
         )
 
 
-def _keep_as_is(t: torch.Tensor) -> torch.Tensor:
-    return t
+def _second_backward(name: str) -> CheckpointError:
+    return CheckpointError(
+        f"prime_ac: backward ran a second time through {name}, whose kept results were handed "
+        "to the first backward. Selective checkpointing allows one backward per forward (as "
+        "torch's own does); use mode='full' with no kept operators, or run the forward again."
+    )
 
 
 def _version_or_none(x: Any) -> int | None:
@@ -355,7 +400,7 @@ class _Keeping(_Decisions):
 
     def _dispatch(self, func: Any, action: int, args: tuple, kwargs: dict) -> Any:
         cache = self.cache
-        if cache.held and func in self.rules.writes:
+        if (cache.held or cache.store is not None) and func in self.rules.writes:
             cache.copy_before_write(_written_tensors(self.rules.writes[func], args, kwargs))
         out = self.run(func, args, kwargs)
         if action == WRITE:
@@ -381,10 +426,6 @@ class _Keeping(_Decisions):
         self.cache.forward_calls[func] = index + 1
         return index
 
-    def kept(self, func: Any, out: Any) -> None:
-        """Keep the result of a call of an operator kept every call (from the key's gate)."""
-        self.cache.keep(func, self._count(func), out, detached=True)
-
 
 class _Replaying(_Decisions):
     """The recompute: hands kept results back, runs everything else."""
@@ -405,6 +446,8 @@ class _Replaying(_Decisions):
         """The kept result for the next call of ``func``, or NotImplemented when the recompute
         runs the call; raises when the kept results and the calls no longer match."""
         cache = self.cache
+        if cache.store is not None and self.actions[func] == KEEP and intercept.is_gated(func):
+            return intercept.take(cache.store, func, cache.error)  # kept in C++ by its gate
         index = self.calls.get(func, 0)
         self.calls[func] = index + 1
         kept = cache.entries.get(func)
@@ -416,14 +459,9 @@ class _Replaying(_Decisions):
                 return NotImplemented
             raise cache.mismatch(func, index)
         if entry is _CONSUMED:
-            raise CheckpointError(
-                f"prime_ac: backward ran a second time through {cache.name}, whose kept results "
-                "were handed to the first backward. Selective checkpointing allows one backward "
-                "per forward (as torch's own does); use mode='full' with no kept operators, or "
-                "run the forward again."
-            )
+            raise _second_backward(cache.name)
         kept[index] = _CONSUMED
-        cache.hits += 1
+        cache._hits += 1
         return cache.take(func, index, entry)
 
 
@@ -467,7 +505,7 @@ class ReplayMode(_Replaying, _HandlingMode):
 
     def __enter__(self):
         self.calls.clear()  # a second backward finds consumed entries, not shifted indices
-        self._entered = bool(self.cache.entries) or self.record
+        self._entered = self.cache.keeps() or self.record
         if not self._entered:  # nothing kept: recompute exactly as plain checkpointing
             return self
         return super().__enter__()
@@ -483,20 +521,23 @@ _awaiting_recompute: weakref.WeakSet[RegionCache] = weakref.WeakSet()
 
 
 class KeepRegion(_Keeping):
-    """The forward through the dispatch key: only the calls the rules act on reach Python."""
+    """The forward through the dispatch key: only the calls the rules act on reach Python, and
+    operators kept every call are kept in C++ (``cache.store``)."""
 
     run = staticmethod(intercept.run_below)
 
     def __enter__(self) -> KeepRegion:
-        self._intercepting = intercept.Intercepting(self.rules.table, False, self.handle, self.kept)
-        self.cache.watch = self._intercepting.hold  # writes to kept storages come to Python
-        self._intercepting.__enter__()
+        rules, cache = self.rules, self.cache
+        self._intercepting = intercept.Intercepting(
+            rules.table, cache.store, False, self.handle, rules.code, cache.error
+        ).__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._intercepting.__exit__(*exc)
-        self.cache.held, self.cache.watch = {}, None
-        if self.cache.entries:
+        self.cache.held = {}  # only writes inside the forward are copied
+        self.cache.store.release_all()
+        if self.cache.keeps():
             _awaiting_recompute.add(self.cache)
 
 
@@ -513,10 +554,14 @@ class ReplayRegion(_Replaying):
     def __enter__(self) -> ReplayRegion:
         self.calls.clear()
         self._scopes: list[Any] = []
-        if not self.cache.entries:  # nothing kept: recompute exactly as plain checkpointing
+        rules, cache = self.rules, self.cache
+        if not cache.keeps():  # nothing kept: recompute exactly as plain checkpointing
             return self
-        self._scopes.append(intercept.Intercepting(self.rules.table, True, self.handle, self.kept))
-        self._scopes[0].__enter__()
+        self._scopes.append(
+            intercept.Intercepting(
+                rules.table, cache.store, True, self.handle, rules.code, cache.error
+            ).__enter__()
+        )
         if _compat.dispatch_mode_active():
             self._scopes.append(_Shield(self).__enter__())
         return self
@@ -556,9 +601,10 @@ def checkpoint_contexts(rules: Rules, name: str) -> Callable[[], tuple[Any, Any]
     def contexts() -> tuple[Any, Any]:
         if _compat.is_tracing():
             return create_selective_checkpoint_contexts(compiled_policy)
-        cache = RegionCache(name)
         if not _compat.dispatch_mode_active() and rules.intercepts():
+            cache = RegionCache(name, intercept.new_store())
             return KeepRegion(cache, rules), ReplayRegion(cache, rules)
+        cache = RegionCache(name)
         return KeepMode(cache, rules), ReplayMode(cache, rules)
 
     return contexts

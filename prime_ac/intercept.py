@@ -51,10 +51,14 @@ __all__ = [
     "cache_dir",
     "ensure_gates",
     "gated",
+    "is_gated",
+    "new_store",
     "new_table",
+    "resolve_schema",
     "registry",
     "resolve",
     "run_below",
+    "take",
 ]
 
 Handler = Callable[[Any, tuple, dict], Any]
@@ -180,6 +184,11 @@ def gated() -> list[Any]:
     return _gated
 
 
+def is_gated(op: Any) -> bool:
+    """Whether operator overload ``op`` has a gate."""
+    return op in _gated_set
+
+
 def ensure_gates(ops: Iterable[Any]) -> None:
     """Give each of ``ops`` (operator overloads or higher-order operators) a gate on the key, if
     it has none yet; a gate replaces the kernel a composite operator had there."""
@@ -221,34 +230,57 @@ def run_below(op: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def new_table() -> Any:
-    """An empty table of action codes for one policy, which gates read: ``set(schema name, overload name, code)``."""
+    """An empty table of action codes for one policy, which gates read: ``set(schema name,
+    overload name, code)``."""
     return _native[0].Table()
 
 
-class Intercepting:
-    """Route this thread's gated operators to a region while active. Nests: the innermost region
-    handles, and leaving restores the outer one.
+def new_store() -> Any:
+    """An empty native store for the results a region keeps of operators kept every call."""
+    return _native[0].Store()
 
-    ``table`` holds the region's action codes. ``handler(op, args, kwargs)`` takes the calls the
-    codes send to Python; ``kept`` takes the calls of operators kept every call: ``kept(op, out)``
-    after the call ran in the forward (``out`` detached), ``kept(op)`` in the recompute, returning
-    the kept result or NotImplemented to run the call. ``hold(storage_id)`` sends the forward's
-    writes to that storage to the handler.
+
+def take(store: Any, op: Any, refuse: Callable[..., Exception]) -> Any:
+    """The recompute's next kept result of ``op`` from ``store``, or NotImplemented when the call
+    runs (for a dispatch mode that sees the call before the key does)."""
+    return store.take(op._schema.name, op._schema.overload_name, op, refuse)
+
+
+def resolve_schema(name: str, overload: str) -> Any:
+    """The OpOverload of a schema's name (``ns::op``) and overload name (``""`` for default)."""
+    namespace, _, op_name = name.partition("::")
+    return resolve((namespace, op_name, overload or "default"))
+
+
+class Intercepting:
+    """Route this thread's gated operators to one side of a region while active. Nests: the
+    innermost region handles, and leaving restores the outer one.
+
+    ``table`` holds the policy's action codes and ``store`` the region's natively kept results
+    (``recompute`` says which side this is). ``handler(op, args, kwargs)`` takes the calls the
+    codes send to Python, ``decide(op)`` codes an operator the table lacks, and
+    ``refuse(kind, op, index, ran)`` builds the error for a kept result the recompute cannot have.
     """
 
-    __slots__ = ("_handler", "_kept", "_recompute", "_region", "_table")
+    __slots__ = ("_arguments", "_region")
 
-    def __init__(self, table: Any, recompute: bool, handler: Handler, kept: Callable[..., Any]):
-        self._table, self._recompute, self._handler, self._kept = table, recompute, handler, kept
+    def __init__(
+        self,
+        table: Any,
+        store: Any,
+        recompute: bool,
+        handler: Handler,
+        decide: Callable[[Any], int],
+        refuse: Callable[..., Exception],
+    ):
+        self._arguments = (table, store, recompute, handler, decide, refuse)
 
     def __enter__(self) -> Intercepting:
         # Made here and dropped on leaving: the native region holds the callbacks, usually bound
         # methods of the object holding this one, a cycle the garbage collector cannot see.
+        table, store, recompute, handler, decide, refuse = self._arguments
         self._region = _native[0].Region(
-            self._table,
-            self._recompute,
-            _without_dynamo(self._handler),
-            _without_dynamo(self._kept),
+            table, store, recompute, _without_dynamo(handler), decide, refuse
         )
         self._region.enter()
         return self
@@ -257,16 +289,13 @@ class Intercepting:
         self._region.exit()
         self._region = None
 
-    def hold(self, storage_id: int) -> None:
-        self._region.hold(storage_id)
 
-
-def _without_dynamo(callback: Callable[..., Any]) -> Callable[..., Any]:
-    def call(*args: Any) -> Any:
+def _without_dynamo(handler: Handler) -> Handler:
+    def handle(op: Any, args: tuple, kwargs: dict) -> Any:
         prior = _compat.set_eval_frame(None)  # no dynamo inside (see _compat.DispatchMode)
         try:
-            return callback(*args)
+            return handler(op, args, kwargs)
         finally:
             _compat.set_eval_frame(prior)
 
-    return call
+    return handle

@@ -74,29 +74,33 @@ def test_regions_use_the_key_unless_a_mode_is_active_or_the_policy_is_a_callable
     assert isinstance(keep, contexts.KeepMode)
 
 
-def test_only_kept_and_writing_operators_reach_python(monkeypatch):
+def test_only_decisions_per_call_reach_python(monkeypatch):
     seen = []
-    handle, kept = contexts.KeepRegion.handle, contexts.KeepRegion.kept
+    handle = contexts.KeepRegion.handle
 
-    def spy_handle(self, func, args, kwargs):
-        seen.append(("handle", func))
+    def spy(self, func, args, kwargs):
+        seen.append(func)
         return handle(self, func, args, kwargs)
 
-    def spy_kept(self, func, out):
-        seen.append(("kept", func))
-        return kept(self, func, out)
-
-    monkeypatch.setattr(contexts.KeepRegion, "handle", spy_handle)
-    monkeypatch.setattr(contexts.KeepRegion, "kept", spy_kept)
+    monkeypatch.setattr(contexts.KeepRegion, "handle", spy)
     model, x = Block(), torch.randn(4, 8, requires_grad=True)
     keep, _ = _contexts("selective")
     with keep:
         model(x)
-    # addmm is a target: it runs in C++ and only its result reaches Python. gelu, exp, clamp and
-    # add never reach Python, and neither do the writes that zeros_like, index_add and clone
-    # make (zero_, copy_, index_add_), which hit no storage holding a kept result.
-    assert seen == [("kept", torch.ops.aten.addmm.default)] * 2
-    assert keep.cache.stored == 2
+    # addmm is a target, kept every call: kept in C++. gelu, exp, clamp and add never reach
+    # Python, and neither do the writes of zeros_like, index_add and clone (zero_, copy_,
+    # index_add_), which hit no storage holding a kept result.
+    assert seen == []
+    assert keep.cache.stored == 2 and keep.cache.kept_ops() == {torch.ops.aten.addmm.default}
+    # A budget plan decides per call: those calls reach Python, and only those.
+    rules = contexts.Rules(
+        prime_ac.make_policy("full"), plan={torch.ops.aten.addmm.default: frozenset({1})}
+    )
+    keep, _ = contexts.checkpoint_contexts(rules, "planned")()
+    with keep:
+        model(x)
+    assert seen == [torch.ops.aten.addmm.default] * 2
+    assert list(keep.cache.entries[torch.ops.aten.addmm.default]) == [1]
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])

@@ -114,7 +114,7 @@ def test_copy_on_write_copies_only_the_results_written():
     assert cache.copies == 1
     assert cache.copied_bytes == 16 * 2 * 4  # the [16, 2] float32 top-k values, nothing else
     assert cache.stored == cache.hits  # every kept result reached the recompute
-    assert torch.ops.aten.topk.default in cache.entries
+    assert torch.ops.aten.topk.default in cache.kept_ops()
 
 
 def test_kept_result_written_after_the_block_returned_names_block_and_operator():
