@@ -148,12 +148,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="dims 64 and 128, few steps")
     parser.add_argument("--sizes", type=int, nargs="+", help="dim = seq values")
     parser.add_argument("--models", nargs="+", default=["dense", "moe"], choices=["dense", "moe"])
-    parser.add_argument("--steps", type=int, help="measured rounds (default 7, quick 3)")
+    parser.add_argument("--steps", type=int, help="measured rounds (default 11, quick 3)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args()
     torch.set_num_threads(1)  # all work on the timed thread
     sizes = args.sizes or ([64, 128] if args.quick else [64, 128, 256, 512])
-    steps = args.steps or (3 if args.quick else 7)
+    steps = args.steps or (3 if args.quick else 11)
     warmup = 1 if args.quick else 2
     rows = [measure(kind, size, steps, warmup) for kind in args.models for size in sizes]
     if args.json:

@@ -103,6 +103,24 @@ def test_only_decisions_per_call_reach_python(monkeypatch):
     assert list(keep.cache.entries[torch.ops.aten.addmm.default]) == [1]
 
 
+def test_operators_without_a_gate_run_as_without_the_key():
+    """The key falls through for an operator nobody decides about, also where a composite kernel
+    would fill its slot: a structured operator runs its own kernel, not empty + its out= variant
+    (the dispatcher calls the profiler records are the same inside a region and outside)."""
+    x = torch.randn(8)
+
+    def calls():
+        with torch.profiler.profile() as profile:
+            torch.neg(x), torch.mul(x, x), x.t()
+        return [event.name for event in profile.events()]
+
+    outside = calls()
+    keep, _ = _contexts("selective")
+    with keep:
+        inside = calls()
+    assert inside == outside and "aten::empty" not in inside
+
+
 @pytest.mark.parametrize("mode", ["full", "selective"])
 @pytest.mark.parametrize("block", [Block, InPlaceRouter])
 def test_key_and_mode_paths_give_the_same_bitwise_gradients(mode, block):
