@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import copy
 import gc
+import importlib.util
 import os
 import threading
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import prime_ac
 from prime_ac import _compat, contexts, intercept
+from prime_ac.models import build_model
 
 
 class Block(nn.Module):
@@ -285,3 +288,20 @@ def test_a_build_killed_midway_does_not_block_later_processes(tmp_path, monkeypa
     os.utime(out / "lock", (stale, stale))
     intercept._load_native()
     assert builds == [(str(out), True), (str(out), False)]
+
+
+def test_eager_benchmark_reports_every_variant_and_the_blocks_operator_calls():
+    """The benchmark's own code, in-process on the smallest model: its rows carry every variant,
+    and its operator count is what a dispatch mode sees in the blocks' forward (no timing is
+    asserted)."""
+    path = Path(__file__).parents[1] / "benchmarks" / "eager_overhead.py"
+    spec = importlib.util.spec_from_file_location("eager_overhead", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    row = bench.measure("moe", 16, steps=1, warmup=0)
+    assert row["steps"] == 16  # x16 below dim 256
+    assert set(row["vs_plain"]) == set(bench.VARIANTS) and row["vs_plain"]["plain"] == 1.0
+    assert set(row["us_per_op"]) == {"torch_sac", "full", "selective"}
+    model = build_model("moe", dim=16, hidden_dim=16)
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 17))
+    assert row["ops"] == bench._block_forward_ops(model, tokens) > 0
