@@ -123,7 +123,12 @@ class Store {
 
   // The recompute's next call of `op`: pushes the kept results and returns kNone, or returns why
   // it cannot (ran: the calls the forward made); `run` says the call simply runs.
-  Refusal take(const c10::OperatorHandle& op, torch::jit::Stack* stack, size_t* index, size_t* ran, bool* run) {
+  Refusal take(
+      const c10::OperatorHandle& op,
+      torch::jit::Stack* stack,
+      size_t* index,
+      size_t* ran,
+      bool* run) {
     *index = calls_[op]++;
     auto it = kept_.find(op);
     *run = it == kept_.end();  // this operator kept nothing here: an extra call changes nothing
@@ -257,6 +262,19 @@ class Store {
   std::unordered_set<const void*> held_;
 };
 
+// Raise the error Python builds for a kept result the recompute cannot have.
+[[noreturn]] void raise_refusal(
+    const py::object& refuse,
+    Refusal refusal,
+    const py::object& op,
+    size_t index,
+    size_t ran) {
+  const char* kinds[] = {"", "mismatch", "consumed", "mutated"};
+  py::object error = refuse(kinds[static_cast<int>(refusal)], op, index, ran);
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
+  throw py::error_already_set();
+}
+
 // What a gate does with a call.
 enum class Route { kBelow, kHandler, kKept };
 
@@ -335,10 +353,7 @@ class Region {
     const auto refusal = store_->take(op, &kept, &index, &ran, &run);
     if (refusal != Refusal::kNone) {
       py::gil_scoped_acquire gil;
-      const char* kinds[] = {"", "mismatch", "consumed", "mutated"};
-      py::object error = refuse_(kinds[static_cast<int>(refusal)], python_op(op), index, ran);
-      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
-      throw py::error_already_set();
+      raise_refusal(refuse_, refusal, python_op(op), index, ran);
     }
     if (run) {
       run_below(op, keys, stack);
@@ -403,7 +418,10 @@ const py::object& Region::python_op(const c10::OperatorHandle& op) {
   return registrations().python_ops.at(op);
 }
 
-void push_returns(const c10::FunctionSchema& schema, const py::object& out, torch::jit::Stack* stack) {
+void push_returns(
+    const c10::FunctionSchema& schema,
+    const py::object& out,
+    torch::jit::Stack* stack) {
   const auto& returns = schema.returns();
   if (returns.size() == 1) {
     stack->push_back(torch::jit::toIValue(out, returns[0].type()));
@@ -447,7 +465,9 @@ void gate(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::S
   }
 }
 
-c10::RegistrationHandleRAII register_on_key(const c10::OperatorName& name, c10::KernelFunction kernel) {
+c10::RegistrationHandleRAII register_on_key(
+    const c10::OperatorName& name,
+    c10::KernelFunction kernel) {
   return c10::Dispatcher::singleton().registerImpl(
       name, kKey, std::move(kernel), std::nullopt, nullptr, "prime_ac intercept");
 }
@@ -462,8 +482,8 @@ void add_gates(const std::vector<std::tuple<std::string, std::string, py::object
       continue;
     }
     registered.fall_throughs.erase(c10::toString(op.operator_name()));
-    registered.gates.emplace(
-        op, register_on_key(op.operator_name(), c10::KernelFunction::makeFromBoxedFunction<&gate>()));
+    auto kernel = c10::KernelFunction::makeFromBoxedFunction<&gate>();
+    registered.gates.emplace(op, register_on_key(op.operator_name(), std::move(kernel)));
     registered.python_ops.emplace(op, python_op);
   }
 }
@@ -476,7 +496,8 @@ void fall_through(const std::vector<std::string>& names) {
   auto& registered = registrations();
   for (const auto& name : names) {
     const auto dot = name.find('.');
-    c10::OperatorName op_name(name.substr(0, dot), dot == std::string::npos ? "" : name.substr(dot + 1));
+    const auto overload = dot == std::string::npos ? "" : name.substr(dot + 1);
+    c10::OperatorName op_name(name.substr(0, dot), overload);
     auto op = c10::Dispatcher::singleton().findOp(op_name);
     if ((op && registered.gates.count(*op)) || registered.fall_throughs.count(name)) {
       continue;
@@ -501,10 +522,7 @@ py::object take(
   bool run = false;
   const auto refusal = store.take(op, &kept, &index, &ran, &run);
   if (refusal != Refusal::kNone) {
-    const char* kinds[] = {"", "mismatch", "consumed", "mutated"};
-    py::object error = refuse(kinds[static_cast<int>(refusal)], python_op, index, ran);
-    PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
-    throw py::error_already_set();
+    raise_refusal(refuse, refusal, python_op, index, ran);
   }
   if (run) {
     return py::reinterpret_borrow<py::object>(Py_NotImplemented);
