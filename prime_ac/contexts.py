@@ -520,28 +520,45 @@ class ReplayMode(_Replaying, _HandlingMode):
 _awaiting_recompute: weakref.WeakSet[RegionCache] = weakref.WeakSet()
 
 
-class KeepRegion(_Keeping):
+class _KeyRegion(_Decisions):
+    """One side of a region on the dispatch key (``prime_ac.intercept``)."""
+
+    run = staticmethod(intercept.run_below)
+    recompute = False
+
+    def _enter_key(self) -> Any:
+        rules, cache = self.rules, self.cache
+        return intercept.enter(
+            rules.table, cache.store, self.recompute, self._handle_call, rules.code, cache.error
+        )
+
+    def _handle_call(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        prior = _set_eval_frame(None)  # no dynamo inside the handler (see _compat.DispatchMode)
+        try:
+            return self.handle(func, args, kwargs)
+        finally:
+            _set_eval_frame(prior)
+
+
+class KeepRegion(_KeyRegion, _Keeping):
     """The forward through the dispatch key: only the calls the rules act on reach Python, and
     operators kept every call are kept in C++ (``cache.store``)."""
 
-    run = staticmethod(intercept.run_below)
-
     def __enter__(self) -> KeepRegion:
-        rules, cache = self.rules, self.cache
-        self._intercepting = intercept.Intercepting(
-            rules.table, cache.store, False, self.handle, rules.code, cache.error
-        ).__enter__()
+        self._region = self._enter_key()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._intercepting.__exit__(*exc)
-        self.cache.held = {}  # only writes inside the forward are copied
-        self.cache.store.release_all()
-        if self.cache.keeps():
-            _awaiting_recompute.add(self.cache)
+        self._region.exit()
+        self._region = None
+        cache = self.cache
+        cache.held = {}  # only writes inside the forward are copied
+        cache.store.release_all()
+        if cache.keeps():
+            _awaiting_recompute.add(cache)
 
 
-class ReplayRegion(_Replaying):
+class ReplayRegion(_KeyRegion, _Replaying):
     """The recompute through the dispatch key.
 
     A dispatch mode active around the recompute (FlopCounterMode around backward) sits above the
@@ -549,26 +566,24 @@ class ReplayRegion(_Replaying):
     before any other mode does and hands it to this region.
     """
 
-    run = staticmethod(intercept.run_below)
+    recompute = True
 
     def __enter__(self) -> ReplayRegion:
         self.calls.clear()
-        self._scopes: list[Any] = []
-        rules, cache = self.rules, self.cache
-        if not cache.keeps():  # nothing kept: recompute exactly as plain checkpointing
+        self._region = self._shield = None
+        if not self.cache.keeps():  # nothing kept: recompute exactly as plain checkpointing
             return self
-        self._scopes.append(
-            intercept.Intercepting(
-                rules.table, cache.store, True, self.handle, rules.code, cache.error
-            ).__enter__()
-        )
+        self._region = self._enter_key()
         if _compat.dispatch_mode_active():
-            self._scopes.append(_Shield(self).__enter__())
+            self._shield = _Shield(self).__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        while self._scopes:
-            self._scopes.pop().__exit__(*exc)
+        if self._shield is not None:
+            self._shield.__exit__(*exc)
+        if self._region is not None:
+            self._region.exit()
+        self._region = self._shield = None
         _awaiting_recompute.discard(self.cache)
 
 

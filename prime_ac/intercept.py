@@ -46,10 +46,10 @@ from prime_ac import _compat
 
 __all__ = [
     "RELIST_SECONDS",
-    "Intercepting",
     "available",
     "cache_dir",
     "ensure_gates",
+    "enter",
     "gated",
     "is_gated",
     "new_store",
@@ -252,50 +252,25 @@ def resolve_schema(name: str, overload: str) -> Any:
     return resolve((namespace, op_name, overload or "default"))
 
 
-class Intercepting:
-    """Route this thread's gated operators to one side of a region while active. Nests: the
-    innermost region handles, and leaving restores the outer one.
+def enter(
+    table: Any,
+    store: Any,
+    recompute: bool,
+    handler: Handler,
+    decide: Callable[[Any], int],
+    refuse: Callable[..., Exception],
+) -> Any:
+    """Route this thread's gated operators to one side of a region until ``exit()`` is called
+    on the returned region. Nests: the innermost region handles, and leaving restores the outer
+    one.
 
     ``table`` holds the policy's action codes and ``store`` the region's natively kept results
     (``recompute`` says which side this is). ``handler(op, args, kwargs)`` takes the calls the
-    codes send to Python, ``decide(op)`` codes an operator the table lacks, and
-    ``refuse(kind, op, index, ran)`` builds the error for a kept result the recompute cannot have.
+    codes send to Python (with dynamo off: see ``_compat.DispatchMode``), ``decide(op)`` codes an
+    operator the table lacks, and ``refuse(kind, op, index, ran)`` builds the error for a kept
+    result the recompute cannot have. Drop the region after leaving it: it holds the callbacks,
+    usually bound methods of its owner, a cycle the garbage collector cannot see.
     """
-
-    __slots__ = ("_arguments", "_region")
-
-    def __init__(
-        self,
-        table: Any,
-        store: Any,
-        recompute: bool,
-        handler: Handler,
-        decide: Callable[[Any], int],
-        refuse: Callable[..., Exception],
-    ):
-        self._arguments = (table, store, recompute, handler, decide, refuse)
-
-    def __enter__(self) -> Intercepting:
-        # Made here and dropped on leaving: the native region holds the callbacks, usually bound
-        # methods of the object holding this one, a cycle the garbage collector cannot see.
-        table, store, recompute, handler, decide, refuse = self._arguments
-        self._region = _native[0].Region(
-            table, store, recompute, _without_dynamo(handler), decide, refuse
-        )
-        self._region.enter()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._region.exit()
-        self._region = None
-
-
-def _without_dynamo(handler: Handler) -> Handler:
-    def handle(op: Any, args: tuple, kwargs: dict) -> Any:
-        prior = _compat.set_eval_frame(None)  # no dynamo inside (see _compat.DispatchMode)
-        try:
-            return handler(op, args, kwargs)
-        finally:
-            _compat.set_eval_frame(prior)
-
-    return handle
+    region = _native[0].Region(table, store, recompute, handler, decide, refuse)
+    region.enter()
+    return region
