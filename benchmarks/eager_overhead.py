@@ -19,6 +19,7 @@ per operator. Shared machines are noisy: compare ratios from one run, not across
     python benchmarks/eager_overhead.py            # dims 64..512, both models
     python benchmarks/eager_overhead.py --quick    # small sizes, few steps
     python benchmarks/eager_overhead.py --json
+    python benchmarks/eager_overhead.py --compile --models dense --sizes 128   # compiled blocks
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class _Region(nn.Module):
         return checkpoint(self.block, *args, use_reentrant=False, context_fn=self.context_fn)
 
 
-def _variant(base: nn.Module, name: str) -> nn.Module:
+def _variant(base: nn.Module, name: str, compile_blocks: bool = False) -> nn.Module:
     model = copy.deepcopy(base)
     if name in ("plain", "torch_sac"):
         context_fn = None
@@ -64,6 +65,9 @@ def _variant(base: nn.Module, name: str) -> nn.Module:
         model.layers = nn.ModuleList(_Region(block, context_fn) for block in model.layers)
     elif name in ("full", "selective"):
         prime_ac.checkpoint_blocks(model, mode=name)
+    if compile_blocks:  # after AC, as docs/checkpointing.md recommends
+        for layer in model.layers:
+            layer.compile()
     return model
 
 
@@ -94,11 +98,11 @@ def _step(model: nn.Module, tokens: torch.Tensor) -> float:
     return elapsed
 
 
-def measure(kind: str, size: int, steps: int, warmup: int) -> dict:
+def measure(kind: str, size: int, steps: int, warmup: int, compile_blocks: bool = False) -> dict:
     overrides = {"dim": size, "hidden_dim": 2 * size if kind == "dense" else size}
     base = build_model(kind, **overrides)
     tokens = torch.randint(0, base.cfg.vocab_size, (2, size + 1))
-    models = {name: _variant(base, name) for name in VARIANTS}
+    models = {name: _variant(base, name, compile_blocks) for name in VARIANTS}
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     steps *= max(1, 256 // size)
     for round_ in range(warmup + steps):
@@ -112,6 +116,7 @@ def measure(kind: str, size: int, steps: int, warmup: int) -> dict:
     return {
         "model": kind,
         "size": size,
+        "compiled": compile_blocks,
         "steps": steps,
         "ops": ops,
         "ms": {name: median[name] * 1e3 for name in VARIANTS},
@@ -153,12 +158,17 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["dense", "moe"], choices=["dense", "moe"])
     parser.add_argument("--steps", type=int, help="measured rounds (default 11, quick 3)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--compile", action="store_true", help="compile each block (inductor) after wrapping it"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)  # all work on the timed thread
     sizes = args.sizes or ([64, 128] if args.quick else [64, 128, 256, 512])
     steps = args.steps or (3 if args.quick else 11)
     warmup = 1 if args.quick else 2
-    rows = [measure(kind, size, steps, warmup) for kind in args.models for size in sizes]
+    rows = [
+        measure(kind, size, steps, warmup, args.compile) for kind in args.models for size in sizes
+    ]
     if args.json:
         print(json.dumps({"torch": torch.__version__, "steps": steps, "rows": rows}, indent=1))
     else:
