@@ -305,3 +305,64 @@ def test_eager_benchmark_reports_every_variant_and_the_blocks_operator_calls():
     model = build_model("moe", dim=16, hidden_dim=16)
     tokens = torch.randint(0, model.cfg.vocab_size, (2, 17))
     assert row["ops"] == bench._block_forward_ops(model, tokens) > 0
+
+
+@torch.library.custom_op("prime_ac_test_store::pieces", mutates_args=())
+def _pieces(x: torch.Tensor) -> list[torch.Tensor]:
+    return [x * 2, x.sin()]
+
+
+_pieces.register_fake(lambda x: [torch.empty_like(x), torch.empty_like(x)])
+_pieces.register_autograd(
+    lambda ctx, grads: grads[0] * 2 + grads[1] * ctx.x.cos(),
+    setup_context=lambda ctx, inputs, output: setattr(ctx, "x", inputs[0]),
+)
+
+
+class Pieces(nn.Module):
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        doubled, sine = _pieces(self.proj(x))
+        return (doubled * sine).tanh()  # tanh's backward reads its output: the kept pieces count
+
+
+def test_a_kept_operator_returning_a_list_is_kept_and_handed_back_natively():
+    torch.manual_seed(0)
+    model, x = Pieces(), torch.randn(4, 8, requires_grad=True)
+    reference = _grads(copy.deepcopy(model), x)
+    context_fn = contexts.context_fn("selective", ["prime_ac_test_store::pieces"])
+    made = []
+
+    def recording():
+        made.append(context_fn())
+        return made[-1]
+
+    wrapped = copy.deepcopy(model)
+    out = checkpoint(wrapped, x, use_reentrant=False, context_fn=recording)
+    ((keep, replay),) = made
+    assert isinstance(keep, contexts.KeepRegion) and keep.cache.entries == {}  # none in Python
+    assert keep.cache.kept_ops() == {torch.ops.prime_ac_test_store.pieces.default}
+    out.square().sum().backward()
+    assert keep.cache.stored == keep.cache.hits == 1
+    for name, param in wrapped.named_parameters():
+        assert torch.equal(param.grad, reference[name]), name
+
+
+def test_a_natively_kept_result_written_after_the_forward_raises_in_backward():
+    model, x = Pieces(), torch.randn(4, 8)
+    context_fn = contexts.context_fn("selective", ["prime_ac_test_store::pieces"])
+    kept = []
+
+    def forward(x):
+        doubled, sine = _pieces(model.proj(x))
+        kept.append(sine)
+        return (doubled * sine).tanh()
+
+    out = checkpoint(forward, x, use_reentrant=False, context_fn=context_fn)
+    with torch.no_grad():
+        kept[0].add_(1.0)  # after the region: no gate sees it, the version counter does
+    with pytest.raises(prime_ac.KeptOutputMutatedError, match=r"prime_ac_test_store\.pieces"):
+        out.sum().backward()

@@ -114,7 +114,9 @@ class Store {
       }
       for_each_tensor(kept.values.back(), [&](const at::Tensor& t) {
         kept.versions.push_back(t.defined() ? t._version() : 0);
-        held_.insert(storage_of(t));
+        if (const auto* storage = storage_of(t)) {
+          held_.insert(storage);
+        }
       });
     }
     kept_[op].push_back(std::move(kept));
