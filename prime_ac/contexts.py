@@ -236,9 +236,8 @@ class RegionCache:
         return ops
 
     def keep(self, op: Any, index: int, out: Any) -> None:
-        detach = _compat.detach
         if isinstance(out, torch.Tensor):
-            value = detach(out)
+            value = _compat.detach(out)
             entry = [value, None, _compat.version(value)]
             self._hold(value, op, index)
         else:
@@ -246,7 +245,7 @@ class RegionCache:
                 leaves, spec = list(out), tuple  # most multi-output operators: no tree spec
             else:
                 leaves, spec = _compat.tree_flatten(out)
-            leaves = [detach(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+            leaves = [_compat.detach(x) if isinstance(x, torch.Tensor) else x for x in leaves]
             entry = [leaves, spec, [_version_or_none(x) for x in leaves]]
             for leaf in leaves:
                 if isinstance(leaf, torch.Tensor):
@@ -270,9 +269,7 @@ class RegionCache:
         for t in tensors:
             sid = _compat.storage_id(t)
             if sid is not None and self.store is not None:
-                copies, copied_bytes = self.store.copy_before_write(sid)
-                self.copies += copies
-                self.copied_bytes += copied_bytes
+                self.store.copy_before_write(sid, self._copied)
             for op, index in self.held.pop(sid, ()):
                 entry = self.entries[op][index]
                 if entry[1] is None:
@@ -285,6 +282,12 @@ class RegionCache:
                         entry[2][i] = 0
 
     def _copy(self, t: torch.Tensor, op: Any, index: int) -> torch.Tensor:
+        copy = self._copied(t)
+        self._hold(copy, op, index)
+        return copy
+
+    def _copied(self, t: torch.Tensor) -> torch.Tensor:
+        """A counted copy of kept tensor ``t`` (also for the native store's kept tensors)."""
         copy = t.clone()
         if copy.stride() != t.stride():  # overlapping or gapped layout: copy the whole storage
             storage = t.untyped_storage()
@@ -292,7 +295,6 @@ class RegionCache:
             copy.set_(storage.clone(), t.storage_offset(), t.size(), t.stride())
         self.copies += 1
         self.copied_bytes += copy.untyped_storage().nbytes()
-        self._hold(copy, op, index)
         return copy
 
     def take(self, op: Any, index: int, entry: Any) -> Any:
@@ -407,7 +409,8 @@ class _Keeping(_Decisions):
             return out
         if action == SYNC and not reads_device_into_host(func, args, kwargs):
             return out
-        index = self._count(func)
+        index = cache.forward_calls.get(func, 0)
+        cache.forward_calls[func] = index + 1
         if action == PLANNED:
             if index not in self.rules.plan[func]:
                 return out
@@ -420,11 +423,6 @@ class _Keeping(_Decisions):
                 return out
         cache.keep(func, index, out)
         return out
-
-    def _count(self, func: Any) -> int:
-        index = self.cache.forward_calls.get(func, 0)
-        self.cache.forward_calls[func] = index + 1
-        return index
 
 
 class _Replaying(_Decisions):

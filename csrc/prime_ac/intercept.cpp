@@ -16,7 +16,6 @@
 //
 // Python, LibTorch and pybind11 API: the library is built per torch release and Python version.
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/ops/empty.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/library.h>
@@ -185,20 +184,15 @@ class Store {
     return !held_.empty();
   }
 
-  // Replace every kept tensor on `storage` by a copy (before a write to it); returns the number
-  // of copies and their bytes. The storage is no longer watched: Python drops it too.
-  std::pair<int64_t, int64_t> copy_before_write(uintptr_t storage) {
+  // Replace every kept tensor on `storage` by `copy(tensor)` (prime_ac/contexts.py's copy, before
+  // a write to it). The storage is no longer watched: Python drops it too.
+  void copy_before_write(uintptr_t storage, const py::function& copy) {
     const auto* target = reinterpret_cast<const void*>(storage);
-    int64_t copies = 0;
-    int64_t bytes = 0;
     auto replace = [&](at::Tensor& t, int64_t& version) {
-      if (storage_of(t) != target) {
-        return;
+      if (storage_of(t) == target) {
+        t = copy(t).cast<at::Tensor>();
+        version = t._version();
       }
-      t = copied(t);
-      version = t._version();
-      bytes += static_cast<int64_t>(t.storage().nbytes());
-      ++copies;
     };
     for (auto& [op, calls] : kept_) {
       for (auto& kept : calls) {
@@ -219,7 +213,6 @@ class Store {
       }
     }
     held_.erase(target);
-    return {copies, bytes};
   }
 
   py::object kept_ops_py() const {
@@ -243,20 +236,6 @@ class Store {
 
   static at::Tensor detached(const at::Tensor& t) {
     return t.defined() ? t.tensor_data() : t;
-  }
-
-  // A copy with the same layout; an overlapping or gapped layout copies the whole storage.
-  static at::Tensor copied(const at::Tensor& t) {
-    c10::impl::ExcludeDispatchKeyGuard no_key(kKey);
-    at::AutoDispatchBelowADInplaceOrView no_autograd;
-    auto copy = t.clone();
-    if (copy.strides() == t.strides()) {
-      return copy;
-    }
-    const auto items = static_cast<int64_t>(t.storage().nbytes() / t.element_size());
-    auto whole = at::empty({0}, t.options()).set_(t.storage(), 0, {items}, {1}).clone();
-    return at::empty({0}, t.options())
-        .set_(whole.storage(), t.storage_offset(), t.sizes(), t.strides());
   }
 
   std::unordered_map<c10::OperatorHandle, std::vector<Kept>> kept_;
