@@ -5,6 +5,8 @@ checkpoint region and decides per operator, by name or namespace, what to keep a
 replay. prime_ac imports torch only: it knows operators by name, never by import.
 """
 
+from importlib.metadata import distributions as _distributions
+
 from prime_ac.audit import AuditReport, audit
 from prime_ac.blocks import find_blocks, unwrap_blocks
 from prime_ac.checkpoint import checkpoint_blocks
@@ -13,6 +15,9 @@ from prime_ac.contexts import KeptOutputMutatedError, ReplayMismatchError, conte
 from prime_ac.policy import MODES, OperatorPolicy, make_policy
 from prime_ac.scopes import tag
 from prime_ac.targets import DEFAULT_TARGETS, HOST_SYNC_TARGETS, MANDATORY_TARGETS, Target
+
+# The installed distribution's version; "0+unknown" (never a real release) without metadata.
+__version__ = next((d.version for d in _distributions(name="prime-ops")), "0+unknown")
 
 __all__ = [
     "DEFAULT_TARGETS",
