@@ -11,9 +11,10 @@ from prime_ac.audit import AuditReport, audit
 from prime_ac.blocks import find_blocks, unwrap_blocks
 from prime_ac.checkpoint import checkpoint_blocks
 from prime_ac.config import ACConfig
-from prime_ac.contexts import KeptOutputMutatedError, ReplayMismatchError, context_fn
+from prime_ac.contexts import context_fn
 from prime_ac.policy import MODES, OperatorPolicy, make_policy
 from prime_ac.scopes import tag
+from prime_ac.store import KeptOutputMutatedError, ReplayMismatchError
 from prime_ac.targets import DEFAULT_TARGETS, HOST_SYNC_TARGETS, MANDATORY_TARGETS, Target
 
 # The installed distribution's version; "0+unknown" (never a real release) without metadata.

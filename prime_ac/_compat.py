@@ -24,19 +24,12 @@ __all__ = [
     "FSDP_ALL_GATHER_COPY_IN",
     "SAC_IGNORED_OPS",
     "DispatchMode",
-    "INTERCEPT_KEY",
-    "INTERCEPT_KEY_NAME",
     "HigherOrderOperator",
     "OpOverload",
     "TorchDispatchMode",
     "detach",
     "dispatch_mode_active",
     "dispatch_op_names",
-    "excluding_intercept_key",
-    "has_composite_kernel",
-    "hop_registry_size",
-    "intercept_key_included",
-    "intercept_key_taken",
     "is_composite_implicit",
     "is_traceable_wrapper_subclass",
     "is_tracing",
@@ -45,9 +38,9 @@ __all__ = [
     "sac_context",
     "sac_hops",
     "schema_is_mutable",
-    "schema_of",
     "set_eval_frame",
     "storage_id",
+    "storage_key",
     "tree_flatten",
     "tree_leaves",
     "tree_unflatten",
@@ -246,51 +239,9 @@ def operator_parts(op: Any) -> tuple[str, str, str]:
     return op.namespace, op._opname, op._overloadname
 
 
-# The dispatch key of prime_ac.intercept. CustomRNGKeyId is a functionality key below autograd and
-# the Python key and above every backend, which torch reserves for out-of-tree kernels and ships
-# with no kernel or fallback (2.9-2.14; not in the Python DispatchKey enum, so parsed by name).
-# prime_ac includes it in the thread-local dispatch key set only while one of its regions runs,
-# and leaves it alone when another library has registered a fallback on it. The TLS include and
-# exclude calls (torch._C, every release) are what torch's own Python guards use. Public
-# replacement: none (torch has no way to reserve a key for a library).
-INTERCEPT_KEY_NAME = "CustomRNGKeyId"
-INTERCEPT_KEY = torch._C._dispatch_key_parse(INTERCEPT_KEY_NAME)
-_intercept_keyset = torch._C.DispatchKeySet(INTERCEPT_KEY)
-
-
-def intercept_key_taken() -> bool:
-    """True when some library registered a fallback on the key (then prime_ac does not use it)."""
-    return torch._C._dispatch_has_backend_fallback(INTERCEPT_KEY)
-
-
-def intercept_key_included() -> bool:
-    """Whether this thread's dispatch key set includes the key (a region runs on it)."""
-    return torch._C._dispatch_tls_is_dispatch_key_included(INTERCEPT_KEY)
-
-
-def excluding_intercept_key() -> Any:
-    """A guard under which operators skip the key (how an intercepted operator runs)."""
-    return torch._C._ExcludeDispatchKeyGuard(_intercept_keyset)
-
-
 def dispatch_mode_active() -> bool:
     """True while any TorchDispatchMode is on this thread's stack (torch._C, 2.0-2.14)."""
     return torch._C._len_torch_dispatch_stack() > 0
-
-
-def schema_of(name: str) -> Any:
-    """The schema of a dispatcher operator name (``ns::op`` or ``ns::op.overload``)."""
-    qualified, _, overload = name.partition(".")
-    return torch._C._get_schema(qualified, overload)
-
-
-def has_composite_kernel(name: str) -> bool:
-    """True when ``name`` has a CompositeExplicitAutograd(NonFunctional) kernel, which also fills
-    the intercept key's slot (the key counts as a backend for alias keys)."""
-    has = torch._C._dispatch_has_kernel_for_dispatch_key
-    return has(name, "CompositeExplicitAutograd") or has(
-        name, "CompositeExplicitAutogradNonFunctional"
-    )
 
 
 def sac_hops() -> list[Any]:
@@ -302,5 +253,17 @@ def sac_hops() -> list[Any]:
     ]
 
 
-def hop_registry_size() -> int:
-    return len(_HOP_REGISTRY)
+# torch 2.13+ keys a kept inductor_compiled_code call by its compiled callable, so that a cache
+# hit skipping one compiled region in the recompute cannot shift another region's results
+# (pytorch gh-175258). The higher-order operator and its side table live in
+# torch._higher_order_ops.wrap (2.13-2.14; absent before). Public replacement: none.
+_wrap = getattr(getattr(torch, "_higher_order_ops", None), "wrap", None)
+_INDUCTOR_COMPILED_CODE = getattr(_wrap, "inductor_compiled_code", None)
+_resolve_inductor_callable = getattr(_wrap, "_resolve_inductor_callable", None)
+
+
+def storage_key(op: Any, args: tuple) -> Any:
+    """The key a kept call of ``op`` is stored under: ``op``, or ``(op, compiled region id)``."""
+    if op is _INDUCTOR_COMPILED_CODE and args and _resolve_inductor_callable is not None:
+        return (op, _resolve_inductor_callable(args[0]).idx)
+    return op

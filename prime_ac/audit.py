@@ -27,9 +27,10 @@ from prime_ac.blocks import (
     wrap_block,
     wrapped_blocks,
 )
-from prime_ac.contexts import PASS, KeepMode, RegionCache, ReplayMode
+from prime_ac.actions import Action
 from prime_ac.measure import operator_flops, track_step_by_device
-from prime_ac.policy import HOST_SYNC, MANDATORY
+from prime_ac.modes import KeepMode, ReplayMode
+from prime_ac.store import RegionStore
 from prime_ac.scopes import ScopeTracker
 from prime_ac.targets import TargetSet, operator_key
 
@@ -211,23 +212,21 @@ class _Recorder:
 
 
 class _AuditKeepMode(KeepMode):
-    def __init__(self, cache, rules, recorder: _Recorder, state: BlockCheckpoint):
-        super().__init__(cache, rules)
+    def __init__(self, store, rules, recorder: _Recorder, state: BlockCheckpoint):
+        super().__init__(store, rules)
         self.recorder, self.state = recorder, state
         self.positions: dict[Any, int] = defaultdict(int)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        stored = self.cache.stored
+        stored = self.store.stored
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        if self.rules.action(func) == PASS:
+        action = self.rules.action(func)
+        if action is Action.IGNORE:
             return out
         index = self.positions[func]
         self.positions[func] += 1
-        kept = self.cache.stored != stored
-        verdict = self.state.policy.classify(func)
-        decision = (
-            (MANDATORY if verdict in (MANDATORY, HOST_SYNC) else "kept") if kept else "replayed"
-        )
+        kept = self.store.stored != stored
+        decision = action.label(kept)
         size, flops = _bytes(out), operator_flops(func, args, kwargs, out)
         self.recorder.seen.add(func)
         record = self.recorder.record(self.state.name, func, decision)
@@ -242,20 +241,20 @@ class _AuditKeepMode(KeepMode):
 class _AuditReplayMode(ReplayMode):
     record = True  # enter even when nothing was kept, to count the replays
 
-    def __init__(self, cache, rules, recorder: _Recorder, state: BlockCheckpoint):
-        super().__init__(cache, rules)
+    def __init__(self, store, rules, recorder: _Recorder, state: BlockCheckpoint):
+        super().__init__(store, rules)
         self.recorder, self.state = recorder, state
         self.positions: dict[Any, int] = defaultdict(int)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        hits = self.cache.hits
+        hits = self.store.hits
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        if self.rules.action(func) == PASS:
+        if self.rules.action(func) is Action.IGNORE:
             return out
         index = self.positions[func]
         self.positions[func] += 1
         call = self.recorder.by_position.get((self.state.name, func, index))
-        if self.cache.hits == hits and call is not None:  # re-executed, not handed back
+        if self.store.hits == hits and call is not None:  # re-executed, not handed back
             call.replayed = True
             record = self.recorder.record(self.state.name, func, "replayed")
             record.replays += 1
@@ -291,10 +290,10 @@ def _recording_contexts(state: BlockCheckpoint, recorder: _Recorder):
 
     def contexts():
         keep, _ = inner()  # the rules in effect, exactly as the block would use them
-        cache = RegionCache(f"block {state.name!r}")
+        store = RegionStore(f"block {state.name!r}")
         return (
-            _AuditKeepMode(cache, keep.rules, recorder, state),
-            _AuditReplayMode(cache, keep.rules, recorder, state),
+            _AuditKeepMode(store, keep.rules, recorder, state),
+            _AuditReplayMode(store, keep.rules, recorder, state),
         )
 
     return contexts

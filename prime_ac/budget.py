@@ -25,7 +25,8 @@ from torch import nn
 
 from prime_ac._compat import schema_is_mutable
 from prime_ac.audit import audit, op_name
-from prime_ac.contexts import Rules, checkpoint_contexts
+from prime_ac.contexts import checkpoint_contexts
+from prime_ac.modes import Rules
 from prime_ac.policy import OperatorPolicy
 from prime_ac.scopes import ScopeRules, split_targets
 from prime_ac.targets import Target, TargetSet

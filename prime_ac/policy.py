@@ -13,6 +13,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from prime_ac._compat import schema_is_mutable
+from prime_ac.actions import Action
 from prime_ac.scopes import ScopeRules, split_targets
 from prime_ac.targets import (
     DEFAULT_TARGETS,
@@ -22,15 +23,10 @@ from prime_ac.targets import (
     operator_key,
 )
 
-__all__ = ["MODES", "OperatorPolicy", "make_policy", "reads_device_into_host"]
+__all__ = ["MODES", "OperatorPolicy", "make_policy", "reads_device_into_host", "target_list"]
 
 Mode = Literal["full", "selective"]
 MODES: tuple[str, ...] = ("full", "selective")
-
-# Decisions, as the policy classifies an operator. HOST_SYNC depends on the call's devices,
-# SCOPED on the call's module scope or tag (prime_ac.scopes).
-MANDATORY, KEPT, REPLAYED, HOST_SYNC = "mandatory", "kept", "replayed", "host_sync"
-SCOPED = "scoped"
 
 _SAVE = CheckpointPolicy.MUST_SAVE
 _RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
@@ -58,45 +54,40 @@ class OperatorPolicy:
         self.targets = targets
         self.mandatory = mandatory
         self.scoped = scoped  # scoped, forced-replay and tag targets, if any
-        self._decisions: dict[Any, str] = {}
+        self._decisions: dict[Any, Action] = {}
 
-    def classify(self, op: Any) -> str:
-        """``"mandatory"``, ``"kept"``, ``"replayed"`` or ``"host_sync"`` for an operator."""
+    def classify(self, op: Any) -> Action:
+        """MANDATORY, KEEP, SCOPED, HOST_SYNC or REPLAY (:class:`prime_ac.actions.Action`): what
+        a region does with every call of ``op``. HOST_SYNC depends on each call's devices,
+        SCOPED on its module scope or tag."""
         decision = self._decisions.get(op)
         if decision is None:
             decision = self._decisions[op] = self._decide(op)
         return decision
 
-    def _decide(self, op: Any) -> str:
+    def _decide(self, op: Any) -> Action:
         key = operator_key(op)
         if self.mandatory.matches(key):
-            return MANDATORY
+            return Action.MANDATORY
         mutates = schema_is_mutable(op)
         if self.mode == "selective" and not mutates:
             if self.scoped is not None and self.scoped.involves(key):
-                return SCOPED
+                return Action.SCOPED
             if self.targets.matches(key):
-                return KEPT
+                return Action.KEEP
         if key[:2] in _HOST_SYNC_OPS:
-            return HOST_SYNC
-        return REPLAYED
-
-    def may_keep(self, key: tuple[str, str, str | None]) -> bool:
-        """Whether some call of operator ``key`` can be kept, from its name alone (what
-        :mod:`prime_ac.intercept` needs before any call; mutating targets are filtered later)."""
-        if self.mandatory.matches(key) or key[:2] in _HOST_SYNC_OPS:
-            return True
-        if self.mode != "selective":
-            return False
-        return self.targets.matches(key) or (self.scoped is not None and self.scoped.involves(key))
+            return Action.HOST_SYNC
+        return Action.REPLAY
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        decision = self._decisions.get(op) or self.classify(op)
-        if decision is REPLAYED:
+        action = self._decisions.get(op)
+        if action is None:
+            action = self.classify(op)
+        if action is Action.REPLAY:
             return _RECOMPUTE
-        if decision is HOST_SYNC:
+        if action is Action.HOST_SYNC:
             return _SAVE if reads_device_into_host(op, args, kwargs) else _RECOMPUTE
-        if decision is SCOPED:
+        if action is Action.SCOPED:
             return _SAVE if self.scoped.keeps_now(op, args) else _RECOMPUTE
         return _SAVE
 
@@ -119,10 +110,25 @@ def reads_device_into_host(op: Any, args: tuple, kwargs: dict) -> bool:
     return device is not None and torch.device(device).type == "cpu"
 
 
+def target_list(argument: str, value: Any) -> list[Any]:
+    """``value`` as a list (each string is validated later), or an error naming ``argument``."""
+    if isinstance(value, str):
+        raise ValueError(
+            f"{argument} must be a list of strings, got the string {value!r}: write [{value!r}]"
+        )
+    try:
+        return list(value)
+    except TypeError:
+        raise TypeError(
+            f"{argument}={value!r} is not a list of targets: pass strings such as "
+            f"{argument}=['aten::mm', 'flash_attn'] (docs/checkpointing.md, 'Targets')"
+        ) from None
+
+
 def make_policy(
     mode: Mode = "selective",
     targets: Iterable[str] | None = None,
-    mandatory: Iterable[str] = (),
+    mandatory: Iterable[str] | None = (),
 ) -> OperatorPolicy:
     """Build the policy callable for ``create_selective_checkpoint_contexts``.
 
@@ -134,7 +140,9 @@ def make_policy(
     """
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is not a checkpoint mode: use one of {list(MODES)}")
-    plain, scoped = split_targets(DEFAULT_TARGETS if targets is None else targets)
+    targets = DEFAULT_TARGETS if targets is None else target_list("targets", targets)
+    mandatory = () if mandatory is None else target_list("mandatory", mandatory)
+    plain, scoped = split_targets(targets)
     target_set = TargetSet(plain)
     mandatory_set = TargetSet((*MANDATORY_TARGETS, *TargetSet(mandatory)))
     rules = ScopeRules(scoped, target_set) if scoped and mode == "selective" else None

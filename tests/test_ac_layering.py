@@ -17,9 +17,10 @@ PACKAGE = Path(__file__).parents[1] / "prime_ac"
 # Each module may import only modules of a lower layer (the entry points sit on top).
 LAYERS = [
     {"_compat", "models"},
-    {"targets", "intercept"},
+    {"targets", "actions", "store"},
     {"scopes"},
     {"policy", "config"},
+    {"modes"},
     {"contexts"},
     {"blocks", "measure"},
     {"audit"},

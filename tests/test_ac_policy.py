@@ -13,6 +13,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import prime_ac
 from prime_ac import ACConfig, Target, make_policy
+from prime_ac.actions import Action
 
 SAVE, RECOMPUTE = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
 aten = torch.ops.aten
@@ -86,7 +87,7 @@ def test_mandatory_namespaces_and_telemetry_in_every_mode():
     op = torch.ops.deepep.stand_in_dispatch.default
     for mode, targets in [("full", None), ("selective", None), ("selective", [])]:
         assert decide(make_policy(mode, targets), op) is SAVE
-    assert make_policy("full").classify(op) == "mandatory"
+    assert make_policy("full").classify(op) is Action.MANDATORY
 
 
 def test_device_to_host_copies_are_kept_and_host_copies_replayed():

@@ -110,11 +110,11 @@ def test_copy_on_write_copies_only_the_results_written():
     contexts, made = _recording(prime_ac.context_fn("selective", name="router"))
     checkpoint(block, x, use_reentrant=False, context_fn=contexts).sum().backward()
     ((forward, recompute),) = made
-    cache = forward.cache
-    assert cache.copies == 1
-    assert cache.copied_bytes == 16 * 2 * 4  # the [16, 2] float32 top-k values, nothing else
-    assert cache.stored == cache.hits  # every kept result reached the recompute
-    assert torch.ops.aten.topk.default in cache.kept_ops()
+    store = forward.store
+    assert store.copies == 1
+    assert store.copied_bytes == 16 * 2 * 4  # the [16, 2] float32 top-k values, nothing else
+    assert store.stored == store.hits  # every kept result reached the recompute
+    assert torch.ops.aten.topk.default in store.kept_ops()
 
 
 def test_kept_result_written_after_the_block_returned_names_block_and_operator():
@@ -259,8 +259,8 @@ def test_flex_attention_target_keeps_it(mode, kept):
     checkpoint(block, x, use_reentrant=False, context_fn=contexts).sum().backward()
     ((forward, _),) = made
     flex = torch.ops.higher_order.flex_attention
-    assert (flex in forward.cache.entries) is kept
-    assert forward.cache.handed_back(flex) == int(kept)  # handed back: the recompute skips it
+    assert (flex in forward.store.entries) is kept
+    assert forward.store.handed_back(flex) == int(kept)  # handed back: the recompute skips it
 
 
 def _graph_capturing_backend():
@@ -358,8 +358,8 @@ def test_replayed_operators_store_nothing():
     contexts, made = _recording(prime_ac.context_fn("full", name="dense"))
     checkpoint(block, x, use_reentrant=False, context_fn=contexts).sum().backward()
     ((forward, _),) = made
-    assert forward.cache.stored == 0 and forward.cache.entries == {}
-    assert forward.cache.forward_calls == {}  # replayed operators are not even counted
+    assert forward.store.stored == 0 and forward.store.entries == {}
+    assert forward.store.forward_calls == {}  # replayed operators are not even counted
 
 
 def test_user_policy_callable_decides_per_call():
@@ -382,7 +382,7 @@ def test_user_policy_callable_decides_per_call():
     checkpoint(block, x, use_reentrant=False, context_fn=contexts).sum().backward()
     ((forward, _),) = made
     assert len(calls) == 2  # called in the forward only
-    assert list(forward.cache.entries[torch.ops.aten.addmm.default]) == [1]
+    assert list(forward.store.entries[torch.ops.aten.addmm.default]) == [1]
     assert_bitwise_equal(grads(block), grads(reference))
 
 

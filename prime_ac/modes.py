@@ -1,0 +1,183 @@
+"""The two dispatch modes of an eager checkpointed region: one keeps, one replays.
+
+``torch.utils.checkpoint.checkpoint(fn, use_reentrant=False, context_fn=...)`` runs the forward
+under the first context ``context_fn`` returns and the recompute under the second. prime_ac's are
+:class:`KeepMode` and :class:`ReplayMode`, two dispatch modes sharing one
+:class:`prime_ac.store.RegionStore`, written for the fewest Python steps per operator (what
+torch's own SAC modes do in a policy call, a pytree map and a counter per operator, these do in
+one dictionary lookup for the operators they replay):
+
+- The :class:`~prime_ac.actions.Action` for an operator overload is decided once per region
+  (:class:`Rules`). Replayed operators are neither counted nor stored: the recompute derives
+  the same action and just runs them.
+- Operators that write an argument copy the kept results they would overwrite first (copy on
+  write, :mod:`prime_ac.store`); nothing is copied while nothing is kept.
+- A region that kept nothing recomputes with no mode at all, exactly as plain checkpointing.
+- Higher-order operators (flex_attention, invoke_subgraph, ...) reach the modes through the
+  redirect torch registers for its own SAC modes (:func:`prime_ac._compat.redirect_hops`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+
+from prime_ac import _compat
+from prime_ac.actions import IGNORED_OPS, Action
+from prime_ac.policy import OperatorPolicy, reads_device_into_host
+from prime_ac.store import RegionStore, input_shapes
+
+__all__ = ["KeepMode", "ReplayMode", "Rules"]
+
+_IGNORE, _REPLAY = Action.IGNORE, Action.REPLAY
+_set_eval_frame = _compat.set_eval_frame
+_SAVES = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE, True)
+
+
+class Rules:
+    """The :class:`Action` of each operator overload under one policy, decided on first sight.
+
+    ``plan`` maps an operator to the call indices a budget plan keeps (:mod:`prime_ac.budget`).
+    ``writes`` holds, for each overload that writes an argument, which ones. ``seen``, when
+    given, is called with each overload the first time it is decided: how a configuration learns
+    which of its targets matched a call (:mod:`prime_ac.watch`).
+    """
+
+    def __init__(
+        self,
+        policy: Any,
+        plan: Mapping[Any, frozenset[int]] | None = None,
+        seen: Callable[[Any], None] | None = None,
+    ):
+        self.policy = policy
+        self.plan = dict(plan or {})
+        self.actions: dict[Any, Action] = {}
+        self.writes: dict[Any, tuple[tuple[int, str], ...] | None] = {}
+        self._seen = seen
+        self._classify = policy.classify if isinstance(policy, OperatorPolicy) else None
+
+    def action(self, op: Any) -> Action:
+        action = self.actions.get(op)
+        if action is None:
+            action = self.actions[op] = self._decide(op)
+            if self._seen is not None and action is not _IGNORE:
+                self._seen(op)
+        return action
+
+    def _decide(self, op: Any) -> Action:
+        if op in IGNORED_OPS:
+            return _IGNORE
+        written = _compat.written_arguments(op)
+        if written != ():
+            self.writes[op] = written
+        if self._classify is None:
+            return Action.ASK
+        action = self._classify(op)
+        if action is _REPLAY and op in self.plan and written == ():
+            return Action.PLANNED
+        return action
+
+
+class _RegionMode(_compat.DispatchMode):
+    def __init__(self, store: RegionStore, rules: Rules):
+        super().__init__()
+        self.store, self.rules = store, rules
+        self._actions = rules.actions
+
+    def __enter__(self):
+        _compat.redirect_hops(type(self))
+        return super().__enter__()
+
+
+class KeepMode(_RegionMode):
+    """The forward: runs every operator and keeps what the rules keep."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        prior = _set_eval_frame(None)  # no dynamo inside the handler (see _compat.DispatchMode)
+        try:
+            action = self._actions.get(func)
+            if action is None:
+                action = self.rules.action(func)
+            kwargs = kwargs or {}
+            store = self.store
+            if store.held and func in self.rules.writes:
+                store.copy_before_write(_written_tensors(self.rules.writes[func], args, kwargs))
+            out = func(*args, **kwargs)
+            if action is _REPLAY or action is _IGNORE:
+                return out
+            if action is Action.HOST_SYNC and not reads_device_into_host(func, args, kwargs):
+                return out
+            key = _compat.storage_key(func, args)
+            index = store.next_forward_call(key)
+            if action is Action.PLANNED:
+                if index not in self.rules.plan[func]:
+                    return out
+            elif action is Action.SCOPED:
+                if not self.rules.policy.scoped.keeps_here(func, args):
+                    return out
+            elif action is Action.ASK:
+                ctx = _compat.sac_context(out)
+                if self.rules.policy(ctx, func, *args, **kwargs) not in _SAVES:
+                    return out
+            store.keep(key, index, out, input_shapes(args, kwargs))
+            return out
+        finally:
+            _set_eval_frame(prior)
+
+    def __exit__(self, *exc: Any):
+        self.store.forward_done()
+        return super().__exit__(*exc)
+
+
+class ReplayMode(_RegionMode):
+    """The recompute: hands kept results back and runs everything else."""
+
+    record = False  # True: enter even when nothing was kept (the audit counts replays)
+
+    def __init__(self, store: RegionStore, rules: Rules):
+        super().__init__(store, rules)
+        self._entered = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        prior = _set_eval_frame(None)
+        try:
+            action = self._actions.get(func)
+            if action is None:
+                action = self.rules.action(func)
+            kwargs = kwargs or {}
+            if action is _REPLAY or action is _IGNORE:
+                return func(*args, **kwargs)
+            if action is Action.HOST_SYNC and not reads_device_into_host(func, args, kwargs):
+                return func(*args, **kwargs)
+            out = self.store.take(_compat.storage_key(func, args), args, kwargs)
+            return func(*args, **kwargs) if out is NotImplemented else out
+        finally:
+            _set_eval_frame(prior)
+
+    def __enter__(self):
+        self.store.start_recompute()
+        self._entered = self.store.keeps() or self.record
+        if not self._entered:  # nothing kept: recompute exactly as plain checkpointing
+            return self
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any):
+        if self._entered:
+            return super().__exit__(*exc)
+        return None
+
+
+def _written_tensors(written: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    if written is None:  # unknown: every tensor argument
+        return [t for t in _compat.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    tensors = []
+    for position, name in written:
+        value = args[position] if position < len(args) else kwargs.get(name)
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+        elif isinstance(value, (list, tuple)):
+            tensors.extend(t for t in value if isinstance(t, torch.Tensor))
+    return tensors

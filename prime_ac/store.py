@@ -1,0 +1,236 @@
+"""The kept results of one checkpointed region, shared by its forward and recompute modes.
+
+Kept results are stored per ``(operator, call index)``, counting only the calls of operators
+that can be kept, with the shapes of the call's tensor inputs. The recompute takes them back in
+the same order; a call that does not fit what the forward kept (one call too many, or inputs of
+other shapes) raises :class:`ReplayMismatchError` before a wrong tensor reaches the block.
+
+Copy on write: when an operator writes in place to a storage that holds a kept result (views
+included), the kept result is replaced by a copy taken just before the write, so the recompute
+receives the value the forward saw. A kept result modified where no mode sees it (after the
+block returned) cannot be recovered and raises :class:`KeptOutputMutatedError` in the backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointError
+
+from prime_ac import _compat
+
+__all__ = ["KeptOutputMutatedError", "KeptResult", "RegionStore", "ReplayMismatchError"]
+
+
+class ReplayMismatchError(CheckpointError):
+    """The recompute of a checkpointed block would receive the wrong kept results."""
+
+
+class KeptOutputMutatedError(CheckpointError):
+    """A kept result was modified in place where prime_ac could not copy it first."""
+
+
+class KeptResult:
+    """One kept call: its detached output and what the recompute checks it against.
+
+    ``tensors`` are the output's tensor leaves, ``spec`` rebuilds the output from its leaves
+    (None: one tensor; ``tuple``: a tuple of tensors; else a pytree spec), ``versions`` are the
+    leaves' version counters when kept (None for a non-tensor leaf), and ``inputs`` the shapes of
+    the call's tensor arguments.
+    """
+
+    __slots__ = ("inputs", "spec", "tensors", "versions")
+
+    def __init__(self, out: Any, inputs: tuple):
+        if isinstance(out, torch.Tensor):
+            leaves, self.spec = [out], None
+        elif type(out) is tuple and all(isinstance(x, torch.Tensor) for x in out):
+            leaves, self.spec = list(out), tuple  # most multi-output operators: no tree spec
+        else:
+            leaves, self.spec = _compat.tree_flatten(out)
+        self.tensors = [_compat.detach(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+        self.versions = [
+            _compat.version(x) if isinstance(x, torch.Tensor) else None for x in self.tensors
+        ]
+        self.inputs = inputs
+
+    def value(self) -> Any:
+        if self.spec is None:
+            return self.tensors[0]
+        if self.spec is tuple:
+            return tuple(self.tensors)
+        return _compat.tree_unflatten(self.tensors, self.spec)
+
+    def mutated(self) -> bool:
+        return any(
+            seen is not None and _compat.version(t) != seen
+            for t, seen in zip(self.tensors, self.versions, strict=True)
+        )
+
+
+_CONSUMED = object()  # a kept result already handed to a recompute
+
+
+def input_shapes(args: tuple, kwargs: dict) -> tuple:
+    """The shapes of a call's top-level tensor arguments: what a replayed call must match."""
+    shapes = tuple(a.shape for a in args if isinstance(a, torch.Tensor))
+    if kwargs:
+        shapes += tuple(v.shape for v in kwargs.values() if isinstance(v, torch.Tensor))
+    return shapes
+
+
+class RegionStore:
+    """The kept results of one region, keyed by operator and call index.
+
+    ``forward_calls`` counts, per operator that can be kept, its calls in the forward; ``held``
+    maps a storage to the kept results living in it (for copy on write). ``stored`` / ``hits``
+    count results kept and handed back; ``copies`` / ``copied_bytes`` the copies on write.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "copied_bytes",
+        "copies",
+        "entries",
+        "forward_calls",
+        "held",
+        "hits",
+        "name",
+        "replay_calls",
+        "stored",
+    )
+
+    def __init__(self, name: str):
+        self.name = name
+        self.entries: dict[Any, dict[int, Any]] = {}
+        self.forward_calls: dict[Any, int] = {}
+        self.replay_calls: dict[Any, int] = {}
+        self.held: dict[int, list[tuple[Any, int]]] = {}
+        self.stored = self.hits = self.copies = self.copied_bytes = 0
+
+    def keeps(self) -> bool:
+        """Whether the forward kept anything (else the recompute runs with no mode at all)."""
+        return self.stored > 0
+
+    def kept_ops(self) -> set[Any]:
+        return set(self.entries)
+
+    def handed_back(self, op: Any) -> int:
+        """How many kept results of ``op`` the recompute received (and so did not rerun)."""
+        return sum(entry is _CONSUMED for entry in self.entries.get(op, {}).values())
+
+    # --- forward ------------------------------------------------------------------------------
+
+    def next_forward_call(self, op: Any) -> int:
+        index = self.forward_calls.get(op, 0)
+        self.forward_calls[op] = index + 1
+        return index
+
+    def keep(self, op: Any, index: int, out: Any, inputs: tuple) -> None:
+        kept = KeptResult(out, inputs)
+        self.entries.setdefault(op, {})[index] = kept
+        self.stored += 1
+        for t in kept.tensors:
+            if isinstance(t, torch.Tensor):
+                self._hold(t, op, index)
+
+    def _hold(self, t: torch.Tensor, op: Any, index: int) -> None:
+        sid = _compat.storage_id(t)
+        if sid is not None:
+            self.held.setdefault(sid, []).append((op, index))
+
+    def copy_before_write(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Replace every kept result sharing a storage with ``tensors`` by a copy of it."""
+        for t in tensors:
+            sid = _compat.storage_id(t)
+            for op, index in self.held.pop(sid, ()):
+                kept = self.entries[op][index]
+                for i, leaf in enumerate(kept.tensors):
+                    if isinstance(leaf, torch.Tensor) and _compat.storage_id(leaf) == sid:
+                        kept.tensors[i] = copy = self._copy(leaf)
+                        kept.versions[i] = _compat.version(copy)
+                        self._hold(copy, op, index)
+
+    def _copy(self, t: torch.Tensor) -> torch.Tensor:
+        copy = t.clone()
+        if copy.stride() != t.stride():  # overlapping or gapped layout: copy the whole storage
+            storage = t.untyped_storage()
+            copy = torch.empty(0, dtype=t.dtype, device=t.device)
+            copy.set_(storage.clone(), t.storage_offset(), t.size(), t.stride())
+        self.copies += 1
+        self.copied_bytes += copy.untyped_storage().nbytes()
+        return copy
+
+    def forward_done(self) -> None:
+        self.held = {}  # only writes inside the forward are copied
+
+    # --- recompute ----------------------------------------------------------------------------
+
+    def start_recompute(self) -> None:
+        # a second backward finds consumed entries, not shifted indices
+        self.replay_calls = {}
+
+    def take(self, op: Any, args: tuple, kwargs: dict) -> Any:
+        """The kept result for this recompute call of ``op``, or NotImplemented when the call
+        runs; raises when the call does not fit what the forward kept."""
+        index = self.replay_calls.get(op, 0)
+        self.replay_calls[op] = index + 1
+        kept = self.entries.get(op)
+        if kept is None:  # this operator kept nothing here: an extra call changes nothing
+            return NotImplemented
+        entry = kept.get(index)
+        if entry is None:
+            if index < self.forward_calls.get(op, 0):  # a call the forward left to replay
+                return NotImplemented
+            ran = self.forward_calls[op]
+            raise self._mismatch(op, index, f"but its forward called it {ran} time(s)")
+        if entry is _CONSUMED:
+            raise CheckpointError(
+                f"prime_ac: backward ran a second time through {self.name}, whose kept results "
+                "were handed to the first backward. Selective checkpointing allows one backward "
+                "per forward (as torch's own does); use mode='full' with no kept operators, or "
+                "run the forward again."
+            )
+        if input_shapes(args, kwargs) != entry.inputs:
+            raise self._mismatch(
+                op,
+                index,
+                f"with inputs of shapes {_shapes(input_shapes(args, kwargs))}, but that call "
+                f"had inputs of shapes {_shapes(entry.inputs)} in the forward",
+            )
+        if entry.mutated():
+            raise KeptOutputMutatedError(
+                f"prime_ac: {self.name} keeps the result of {op} (call #{index + 1}) for its "
+                "backward, and that result was modified in place after the block's forward "
+                "returned (or by code no dispatch mode sees), so the value the backward needs is "
+                "gone. Clone the block's output before writing to it in place "
+                f"(out = out.clone()), or leave {op} out of the targets (mandatory operators "
+                "cannot be left out)."
+            )
+        kept[index] = _CONSUMED
+        self.hits += 1
+        return entry.value()
+
+    def _mismatch(self, op: Any, index: int, detail: str) -> ReplayMismatchError:
+        return ReplayMismatchError(
+            f"prime_ac: the recompute of {self.name} called {op} a {_ordinal(index + 1)} time "
+            f"{detail}, and the forward kept its results: the recompute would receive the wrong "
+            "ones. The block must call this operator the same way in forward and "
+            "recompute. Common causes: state filled during the forward that the recompute sees "
+            "again, such as a KV cache (Hugging Face models called with use_cache=True in "
+            "training append to it again in the recompute: pass use_cache=False), buffers "
+            "created lazily on the first forward (create them before the first checkpointed "
+            "forward), and data-dependent control flow or global state that changed between "
+            "forward and backward."
+        )
+
+
+def _shapes(shapes: tuple) -> str:
+    return ", ".join(str(list(s)) for s in shapes) or "none"
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
