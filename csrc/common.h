@@ -2,8 +2,9 @@
 //
 // Only the LibTorch stable ABI (torch/csrc/stable, torch/headeronly) is used, so a library built
 // against one torch release loads in later ones (TORCH_TARGET_VERSION, set by the build, is the
-// oldest release it serves). Argument checks that name the bad argument and the fix live in the
-// Python fronts (prime_ops/native); the checks here guard the raw pointer arithmetic.
+// oldest release it serves). The checks below are the building blocks of checks.h, which every
+// kernel runs before it reads a pointer: a raw torch.ops.prime_rl call raises a clear error
+// instead of reading out of bounds.
 #pragma once
 
 #include <torch/csrc/stable/library.h>
@@ -16,6 +17,9 @@
 #include <torch/headeronly/util/Half.h>
 
 #include <cstdint>
+#include <exception>
+#include <initializer_list>
+#include <string>
 
 namespace prime_ops {
 
@@ -72,12 +76,61 @@ inline acc lane_sum(int64_t n, F&& term) {
   return lanes[0];
 }
 
+inline std::string device_name(const Tensor& t) {
+  if (t.is_cpu()) return "cpu";
+  return std::string(t.is_cuda() ? "cuda:" : "device:") + std::to_string(t.get_device_index());
+}
+
 inline void check_contiguous(const Tensor& t, const char* what) {
   STD_TORCH_CHECK(t.is_contiguous(), what, " must be contiguous (call .contiguous())");
 }
 
 inline void check_dim(const Tensor& t, int64_t dim, const char* what) {
   STD_TORCH_CHECK(t.dim() == dim, what, " must have ", dim, " dimensions, got ", t.dim());
+}
+
+inline void check_dtype(const Tensor& t, ScalarType dtype, const char* what) {
+  STD_TORCH_CHECK(t.scalar_type() == dtype, what, " must be ", torch::headeronly::toString(dtype),
+                  ", got ", torch::headeronly::toString(t.scalar_type()));
+}
+
+// t [size0, size1] exactly; `expected` names the sizes in the message, e.g. "[T, K] = ".
+inline void check_shape(const Tensor& t, std::initializer_list<int64_t> sizes, const char* what,
+                        const char* expected) {
+  bool same = t.dim() == static_cast<int64_t>(sizes.size());
+  int64_t d = 0;
+  for (int64_t s : sizes) same = same && t.size(d++) == s;
+  if (same) return;
+  std::string want, got;
+  for (int64_t s : sizes) want += (want.empty() ? "" : ", ") + std::to_string(s);
+  for (int64_t i = 0; i < t.dim(); ++i) got += (i ? ", " : "") + std::to_string(t.size(i));
+  STD_TORCH_CHECK(false, what, " must have shape ", expected, "[", want, "], got [", got, "]");
+}
+
+// `t` lives where `ref` does (the kernel reads both through raw pointers of one device).
+inline void check_same_device(const Tensor& ref, const char* ref_name, const Tensor& t,
+                              const char* what) {
+  STD_TORCH_CHECK(t.is_cpu() == ref.is_cpu() && t.is_cuda() == ref.is_cuda() &&
+                      t.get_device_index() == ref.get_device_index(),
+                  what, " is on ", device_name(t), " but ", ref_name, " on ", device_name(ref),
+                  "; move it with .to(", ref_name, ".device)");
+}
+
+// new_empty (or new_zeros) whose failure names the tensor: the stable ABI's own error reports
+// only that aten::new_empty failed.
+inline Tensor allocate(const Tensor& like, std::initializer_list<int64_t> sizes, ScalarType dtype,
+                       const char* what, bool zeros = false) {
+  std::string shape;
+  for (int64_t s : sizes) shape += (shape.empty() ? "" : ", ") + std::to_string(s);
+  try {
+    return zeros ? torch::stable::new_zeros(like, sizes, dtype)
+                 : torch::stable::new_empty(like, sizes, dtype);
+  } catch (const std::exception&) {
+    STD_TORCH_CHECK(false, "could not allocate ", what, " [", shape, "] of ",
+                    torch::headeronly::toString(dtype), " on ", device_name(like),
+                    " (out of memory, or more elements than a tensor can hold)");
+  }
+  return like;  // unreachable
 }
 
 }  // namespace prime_ops

@@ -85,9 +85,12 @@ def quantize_blockwise(
     """Quantize a 2-D tensor to float8_e4m3fn with one fp32 scale per ``block_rows x 128`` block.
 
     ``block_rows=1`` is the activation layout (scales ``[M, ceil(K/128)]``), ``block_rows=128``
-    the weight layout (scales ``[ceil(N/128), ceil(K/128)]``). The rule, in fp32: ``scale =
-    max(amax, 1e-12) / 448`` per block (rounded up to a power of two with ``ue8m0=True``), then
-    ``q = round_to_nearest_even(clamp(t / scale, -448, 448))``; ``dequantize`` is ``q * scale``.
+    the weight layout (scales ``[ceil(N/128), ceil(K/128)]``). The rule, in fp32 (``t`` is
+    rounded to float32 first, so a float64 beyond its range is inf): ``scale = max(amax, 1e-12)
+    / 448`` per block (rounded up to a power of two with ``ue8m0=True``), then ``q =
+    round_to_nearest_even(clamp(t / scale, -448, 448))``; ``dequantize`` is ``q * scale``. A
+    block holding NaN gets the scale NaN, one holding +-inf (and no NaN) the scale inf, and every
+    code of such a block is NaN, so it dequantizes to NaN. The native kernel gives the same bits.
 
     Example::
 
@@ -106,14 +109,16 @@ def quantize_blockwise(
     padded = torch.nn.functional.pad(t.float(), (0, pc, 0, pr))
     nr, nc = (rows + pr) // block_rows, (cols + pc) // BLOCK
     blocks = padded.view(nr, block_rows, nc, BLOCK)
-    amax = blocks.abs().amax(dim=(1, 3), keepdim=True).clamp(min=_AMAX_FLOOR)
-    scale = amax / _FP8_MAX
-    if ue8m0:
-        mantissa, exponent = torch.frexp(
-            scale
-        )  # scale = mantissa * 2**exponent, mantissa in [0.5, 1)
+    amax = blocks.abs().amax(dim=(1, 3), keepdim=True)
+    finite = amax.isfinite()
+    scale = amax.clamp(min=_AMAX_FLOOR) / _FP8_MAX
+    if ue8m0:  # scale = mantissa * 2**exponent, mantissa in [0.5, 1): round up to 2**exponent
+        mantissa, exponent = torch.frexp(scale)
         scale = torch.ldexp(torch.ones_like(scale), exponent - (mantissa == 0.5).int())
-    q = (blocks / scale).clamp(-_FP8_MAX, _FP8_MAX).to(FP8_DTYPE)
+    # Non-finite blocks: inf, or the one NaN (0x7fc00000) whatever NaN the block held.
+    scale = torch.where(finite, scale, torch.where(amax.isnan(), torch.nan, torch.inf))
+    q = (blocks / scale).clamp(-_FP8_MAX, _FP8_MAX)
+    q = torch.where(finite, q, torch.nan).to(FP8_DTYPE)
     q = q.view(rows + pr, cols + pc)[:rows, :cols].contiguous()
     return q, scale.view(nr, nc).contiguous()
 

@@ -4,7 +4,7 @@
 // into the result over their union: lse = logaddexp(lse_a, lse_b) and
 // out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b. Rows where both lse are -inf (no
 // key seen yet) give lse = -inf and out = 0. Layout: out [T, H, D], lse [H, T].
-#include "../common.h"
+#include "../checks.h"
 
 #include <cmath>
 #include <tuple>
@@ -25,24 +25,12 @@ inline void weights(acc la, acc lb, acc* lse, acc* wa, acc* wb) {
   *wb = std::exp(lb - finite);
 }
 
-void check_states(const Tensor& out_a, const Tensor& lse_a, const Tensor& out_b,
-                  const Tensor& lse_b) {
-  check_dim(out_a, 3, "out_a");
-  check_dim(lse_a, 2, "lse_a");
-  for (const Tensor* t : {&out_a, &lse_a, &out_b, &lse_b}) check_contiguous(*t, "every state");
-  STD_TORCH_CHECK(out_a.scalar_type() == out_b.scalar_type(), "out_a and out_b need one dtype");
-  const ScalarType lse_type =
-      out_a.scalar_type() == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
-  STD_TORCH_CHECK(lse_a.scalar_type() == lse_type && lse_b.scalar_type() == lse_type,
-                  "lse_a and lse_b must be float32 (float64 for float64 outputs)");
-}
-
 std::tuple<Tensor, Tensor> merge_attn_states(Tensor out_a, Tensor lse_a, Tensor out_b,
                                              Tensor lse_b) {
-  check_states(out_a, lse_a, out_b, lse_b);
+  check_merge(out_a, lse_a, out_b, lse_b);
   const int64_t tokens = out_a.size(0), heads = out_a.size(1), dim = out_a.size(2);
-  Tensor out = torch::stable::new_empty(out_a, {tokens, heads, dim});
-  Tensor lse = torch::stable::new_empty(lse_a, {heads, tokens});
+  Tensor out = allocate(out_a, {tokens, heads, dim}, out_a.scalar_type(), "out");
+  Tensor lse = allocate(lse_a, {heads, tokens}, lse_a.scalar_type(), "lse");
   dispatch_floating(out_a.scalar_type(), "out_a", [&](auto s) {
     using scalar_t = decltype(s);
     using acc = acc_t<scalar_t>;
@@ -74,14 +62,13 @@ std::tuple<Tensor, Tensor> merge_attn_states(Tensor out_a, Tensor lse_a, Tensor 
 std::tuple<Tensor, Tensor, Tensor, Tensor> merge_attn_states_backward(
     Tensor grad_out, std::optional<Tensor> grad_lse, Tensor out_a, Tensor lse_a, Tensor out_b,
     Tensor lse_b) {
-  check_states(out_a, lse_a, out_b, lse_b);
-  check_contiguous(grad_out, "grad_out");
-  if (grad_lse.has_value()) check_contiguous(*grad_lse, "grad_lse");
+  check_merge_backward(grad_out, grad_lse, out_a, lse_a, out_b, lse_b);
   const int64_t tokens = out_a.size(0), heads = out_a.size(1), dim = out_a.size(2);
-  Tensor grad_oa = torch::stable::new_empty(out_a, {tokens, heads, dim});
-  Tensor grad_ob = torch::stable::new_empty(out_b, {tokens, heads, dim});
-  Tensor grad_la = torch::stable::new_empty(lse_a, {heads, tokens});
-  Tensor grad_lb = torch::stable::new_empty(lse_b, {heads, tokens});
+  const ScalarType type = out_a.scalar_type(), acc_type = lse_a.scalar_type();
+  Tensor grad_oa = allocate(out_a, {tokens, heads, dim}, type, "grad_out_a");
+  Tensor grad_ob = allocate(out_b, {tokens, heads, dim}, type, "grad_out_b");
+  Tensor grad_la = allocate(lse_a, {heads, tokens}, acc_type, "grad_lse_a");
+  Tensor grad_lb = allocate(lse_b, {heads, tokens}, acc_type, "grad_lse_b");
   dispatch_floating(out_a.scalar_type(), "out_a", [&](auto s) {
     using scalar_t = decltype(s);
     using acc = acc_t<scalar_t>;

@@ -5,7 +5,7 @@
 // multiple of `alignment`. Positions come from per-chunk histograms and a prefix sum, so the
 // result does not depend on the thread count, and the sums of the unpermute run over slots in
 // order (no atomics): the kernels are deterministic.
-#include "../common.h"
+#include "../checks.h"
 
 #include <algorithm>
 #include <atomic>
@@ -19,11 +19,11 @@ namespace {
 constexpr int64_t kChunk = 4096;  // (token, slot) pairs per histogram chunk
 
 template <typename index_t>
-void route(const index_t* idx, int64_t slots, int64_t num_experts, int64_t alignment,
-           int64_t* row_map, int64_t* counts, int64_t* total_rows) {
+void route(const index_t* idx, int64_t slots, int64_t top_k, int64_t num_experts,
+           int64_t alignment, int64_t* row_map, int64_t* counts, int64_t* total_rows) {
   const int64_t chunks = (slots + kChunk - 1) / kChunk;
   std::vector<int64_t> hist(chunks * num_experts, 0);
-  std::atomic<int64_t> bad{-2};
+  std::vector<int64_t> first_bad(chunks, -1);  // per chunk: its first slot with a bad id
   torch::stable::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
       int64_t* h = hist.data() + c * num_experts;
@@ -31,14 +31,17 @@ void route(const index_t* idx, int64_t slots, int64_t num_experts, int64_t align
         const int64_t e = idx[s];
         if (e >= 0 && e < num_experts) {
           ++h[e];
-        } else if (e != -1) {
-          bad.store(e);
+        } else if (e != -1 && first_bad[c] < 0) {
+          first_bad[c] = s;
         }
       }
     }
   });
-  STD_TORCH_CHECK(bad.load() == -2, "topk_idx holds expert id ", bad.load(),
-                  ", outside [-1, num_experts=", num_experts, ")");
+  for (int64_t s : first_bad) {  // the first bad slot overall: the same whatever the threads
+    STD_TORCH_CHECK(s < 0, "topk_idx[", s / top_k, ", ", s % top_k, "] = ",
+                    static_cast<int64_t>(idx[s]), " is outside [-1, num_experts=", num_experts,
+                    "); -1 drops a slot");
+  }
   // start[c * E + e]: first row of chunk c's tokens for expert e.
   std::vector<int64_t> start(chunks * num_experts);
   int64_t row = 0;
@@ -65,26 +68,22 @@ void route(const index_t* idx, int64_t slots, int64_t num_experts, int64_t align
 
 std::tuple<Tensor, Tensor, Tensor> moe_permute(Tensor x, Tensor topk_idx, int64_t num_experts,
                                                int64_t alignment) {
-  check_dim(x, 2, "x");
-  check_dim(topk_idx, 2, "topk_idx");
-  check_contiguous(x, "x");
-  check_contiguous(topk_idx, "topk_idx");
-  STD_TORCH_CHECK(x.size(0) == topk_idx.size(0), "x and topk_idx need the same token count");
-  STD_TORCH_CHECK(num_experts > 0 && alignment > 0, "num_experts and alignment must be > 0");
+  check_permute(x, topk_idx, num_experts, alignment);
   const int64_t tokens = topk_idx.size(0), top_k = topk_idx.size(1), dim = x.size(1);
   const int64_t slots = tokens * top_k;
-  Tensor row_map = torch::stable::new_empty(topk_idx, {tokens, top_k}, ScalarType::Long);
-  Tensor counts = torch::stable::new_empty(topk_idx, {num_experts}, ScalarType::Long);
+  Tensor row_map = allocate(topk_idx, {tokens, top_k}, ScalarType::Long, "row_map");
+  Tensor counts = allocate(topk_idx, {num_experts}, ScalarType::Long, "tokens_per_expert");
   int64_t rows = 0;
   int64_t* map = row_map.mutable_data_ptr<int64_t>();
   int64_t* cnt = counts.mutable_data_ptr<int64_t>();
   if (topk_idx.scalar_type() == ScalarType::Long) {
-    route(topk_idx.const_data_ptr<int64_t>(), slots, num_experts, alignment, map, cnt, &rows);
+    route(topk_idx.const_data_ptr<int64_t>(), slots, top_k, num_experts, alignment, map, cnt,
+          &rows);
   } else {
-    STD_TORCH_CHECK(topk_idx.scalar_type() == ScalarType::Int, "topk_idx must be int64 or int32");
-    route(topk_idx.const_data_ptr<int32_t>(), slots, num_experts, alignment, map, cnt, &rows);
+    route(topk_idx.const_data_ptr<int32_t>(), slots, top_k, num_experts, alignment, map, cnt,
+          &rows);
   }
-  Tensor sorted = torch::stable::new_empty(x, {rows, dim});
+  Tensor sorted = allocate(x, {rows, dim}, x.scalar_type(), "x_sorted");
   const size_t row_bytes = static_cast<size_t>(dim) * x.element_size();
   const char* src = static_cast<const char*>(x.const_data_ptr());
   char* dst = static_cast<char*>(sorted.mutable_data_ptr());
@@ -148,18 +147,23 @@ void gather_sum(const scalar_t* rows, const int64_t* row_map, const weight_t* w,
   });
 }
 
-void check_row_map(const Tensor& rows, const Tensor& row_map) {
-  check_dim(rows, 2, "rows");
-  check_dim(row_map, 2, "row_map");
-  check_contiguous(rows, "rows");
-  check_contiguous(row_map, "row_map");
-  STD_TORCH_CHECK(row_map.scalar_type() == ScalarType::Long, "row_map must be int64");
+// Every row_map entry in [-1, M) and no row named twice (moe_permute gives each kept slot its own
+// row; the backward writes each row once). Returns which rows are used.
+std::vector<char> check_row_map_values(const Tensor& row_map, int64_t rows) {
   const int64_t* map = row_map.const_data_ptr<int64_t>();
-  const int64_t n = rows.size(0);
+  const int64_t top_k = row_map.size(1);
+  std::vector<char> used(rows, 0);
   for (int64_t s = 0, slots = row_map.numel(); s < slots; ++s) {
-    STD_TORCH_CHECK(map[s] >= -1 && map[s] < n, "row_map holds row ", map[s],
-                    ", outside [-1, ", n, "); pass the row_map moe_permute returned");
+    const int64_t r = map[s];
+    STD_TORCH_CHECK(r >= -1 && r < rows, "row_map[", s / top_k, ", ", s % top_k, "] = ", r,
+                    " is outside [-1, ", rows, "), the rows of y_sorted; pass the row_map "
+                    "moe_permute returned");
+    if (r < 0) continue;
+    STD_TORCH_CHECK(!used[r], "row_map names row ", r, " twice (again at [", s / top_k, ", ",
+                    s % top_k, "]); pass the row_map moe_permute returned");
+    used[r] = 1;
   }
+  return used;
 }
 
 // Calls f(scalar_t{}, weight_t{}) for weights of the rows' dtype or float32.
@@ -169,19 +173,17 @@ void dispatch_weights(const Tensor& rows, const Tensor& w, F&& f) {
     using scalar_t = decltype(s);
     if (w.scalar_type() == rows.scalar_type()) {
       f(s, scalar_t{});
-    } else {
-      STD_TORCH_CHECK(w.scalar_type() == ScalarType::Float,
-                      "topk_weights must be float32 or the dtype of y_sorted");
+    } else {  // float32, as check_weights made sure
       f(s, float{});
     }
   });
 }
 
 Tensor moe_unpermute(Tensor y_sorted, Tensor row_map, Tensor topk_weights) {
-  check_row_map(y_sorted, row_map);
-  check_contiguous(topk_weights, "topk_weights");
+  check_unpermute(y_sorted, row_map, topk_weights);
+  check_row_map_values(row_map, y_sorted.size(0));
   const int64_t tokens = row_map.size(0), top_k = row_map.size(1), dim = y_sorted.size(1);
-  Tensor out = torch::stable::new_empty(y_sorted, {tokens, dim});
+  Tensor out = allocate(y_sorted, {tokens, dim}, y_sorted.scalar_type(), "out");
   dispatch_weights(y_sorted, topk_weights, [&](auto s, auto wt) {
     using scalar_t = decltype(s);
     using weight_t = decltype(wt);
@@ -193,9 +195,10 @@ Tensor moe_unpermute(Tensor y_sorted, Tensor row_map, Tensor topk_weights) {
 }
 
 Tensor moe_permute_backward(Tensor grad_sorted, Tensor row_map) {
-  check_row_map(grad_sorted, row_map);
+  check_permute_backward(grad_sorted, row_map);
+  check_row_map_values(row_map, grad_sorted.size(0));
   const int64_t tokens = row_map.size(0), top_k = row_map.size(1), dim = grad_sorted.size(1);
-  Tensor grad_x = torch::stable::new_empty(grad_sorted, {tokens, dim});
+  Tensor grad_x = allocate(grad_sorted, {tokens, dim}, grad_sorted.scalar_type(), "grad_x");
   dispatch_floating(grad_sorted.scalar_type(), "grad_x_sorted", [&](auto s) {
     using scalar_t = decltype(s);
     gather_sum<scalar_t, scalar_t>(grad_sorted.const_data_ptr<scalar_t>(),
@@ -207,18 +210,14 @@ Tensor moe_permute_backward(Tensor grad_sorted, Tensor row_map) {
 
 std::tuple<Tensor, Tensor> moe_unpermute_backward(Tensor grad_out, Tensor y_sorted,
                                                   Tensor row_map, Tensor topk_weights) {
-  check_row_map(y_sorted, row_map);
-  check_contiguous(grad_out, "grad_out");
-  check_contiguous(topk_weights, "topk_weights");
+  check_unpermute_backward(grad_out, y_sorted, row_map, topk_weights);
   const int64_t tokens = row_map.size(0), top_k = row_map.size(1), dim = y_sorted.size(1);
   const int64_t rows = y_sorted.size(0);
-  Tensor grad_y = torch::stable::new_empty(y_sorted, {rows, dim});
-  Tensor grad_w = torch::stable::new_empty(topk_weights, {tokens, top_k});
+  const std::vector<char> used = check_row_map_values(row_map, rows);
+  Tensor grad_y = allocate(y_sorted, {rows, dim}, y_sorted.scalar_type(), "grad_y_sorted");
+  Tensor grad_w =
+      allocate(topk_weights, {tokens, top_k}, topk_weights.scalar_type(), "grad_topk_weights");
   const int64_t* map = row_map.const_data_ptr<int64_t>();
-  std::vector<char> used(rows, 0);
-  for (int64_t s = 0; s < tokens * top_k; ++s) {
-    if (map[s] >= 0) used[map[s]] = 1;
-  }
   dispatch_weights(y_sorted, topk_weights, [&](auto s, auto wt) {
     using scalar_t = decltype(s);
     using weight_t = decltype(wt);

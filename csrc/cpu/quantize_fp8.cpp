@@ -4,8 +4,11 @@
 // [ceil(M / block_rows), ceil(K / 128)] (DeepGEMM's operand layout before its own TMA
 // transform; block_rows 1 for activations, 128 for weights). scale = amax / 448 (amax clamped
 // to 1e-12), q = clamp(x / scale, -448, 448). With ue8m0 the scale is rounded UP to a power of
-// two (what SM100 kernels read as UE8M0), so |x / scale| <= 448 still holds.
-#include "../common.h"
+// two (what SM100 kernels read as UE8M0), so |x / scale| <= 448 still holds. x is read as
+// float32 first (a float64 beyond float32's range becomes inf). A block holding NaN gets the
+// scale NaN (0x7fc00000), one holding +-inf and no NaN the scale inf, and every code of such a
+// block is NaN (0x7f): it dequantizes to NaN, never to finite values.
+#include "../checks.h"
 
 #include <cmath>
 #include <cstring>
@@ -14,15 +17,14 @@
 namespace prime_ops {
 namespace {
 
-constexpr int64_t kBlock = 128;
+constexpr int64_t kBlock = kFp8Block;
 constexpr float kFp8Max = 448.0f;
 
 // scale rounded up to a power of two. amax / p <= 448 follows: fl(amax / 448) never rounds down
 // onto a power of two (448 = 7 * 2^6 leaves a relative gap of at least 2^-23.8 > half an ulp).
-inline float pow2_ceil(float scale) {
+inline float pow2_ceil(float scale) {  // scale finite and positive
   uint32_t bits;
   std::memcpy(&bits, &scale, sizeof bits);
-  if ((bits & 0x7f800000u) == 0x7f800000u) return scale;  // inf or nan: leave as is
   if (bits & 0x007fffffu) bits = (bits & 0xff800000u) + 0x00800000u;
   float p;
   std::memcpy(&p, &bits, sizeof p);
@@ -67,6 +69,11 @@ void quantize_block(const scalar_t* x, int64_t k, int64_t r0, int64_t r1, int64_
       amax_bits = b > amax_bits ? b : amax_bits;
     }
   }
+  if (amax_bits >= 0x7f800000u) {  // inf or NaN: the block's codes carry no information
+    *scale = amax_bits > 0x7f800000u ? float_of(0x7fc00000u) : float_of(0x7f800000u);
+    for (int64_t r = r0; r < r1; ++r) std::memset(q + r * k + c0, 0x7f, c1 - c0);
+    return;
+  }
   float amax = float_of(amax_bits);
   amax = amax < 1e-12f ? 1e-12f : amax;
   float s = amax / kFp8Max;
@@ -85,17 +92,13 @@ void quantize_block(const scalar_t* x, int64_t k, int64_t r0, int64_t r1, int64_
 
 std::tuple<Tensor, Tensor> quantize_fp8_blockwise(Tensor x, int64_t block_rows,
                                                   std::string scale_format) {
-  check_dim(x, 2, "x");
-  check_contiguous(x, "x");
-  STD_TORCH_CHECK(block_rows == 1 || block_rows == kBlock, "block_rows must be 1 or 128");
-  STD_TORCH_CHECK(scale_format == "fp32" || scale_format == "ue8m0",
-                  "scale_format must be 'fp32' or 'ue8m0'");
+  check_quantize(x, block_rows, scale_format);
   const bool ue8m0 = scale_format == "ue8m0";
   const int64_t m = x.size(0), k = x.size(1);
   const int64_t row_blocks = (m + block_rows - 1) / block_rows;
   const int64_t col_blocks = (k + kBlock - 1) / kBlock;
-  Tensor q = torch::stable::new_empty(x, {m, k}, ScalarType::Float8_e4m3fn);
-  Tensor scale = torch::stable::new_empty(x, {row_blocks, col_blocks}, ScalarType::Float);
+  Tensor q = allocate(x, {m, k}, ScalarType::Float8_e4m3fn, "q");
+  Tensor scale = allocate(x, {row_blocks, col_blocks}, ScalarType::Float, "scale");
   dispatch_floating(x.scalar_type(), "x", [&](auto s) {
     using scalar_t = decltype(s);
     const scalar_t* xp = x.const_data_ptr<scalar_t>();

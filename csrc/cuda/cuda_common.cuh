@@ -1,8 +1,8 @@
-// Shared by the CUDA kernels: the current stream through the stable C shim, launch checks and
-// deterministic warp/block reductions (fixed trees, no atomics on floating-point values).
+// Shared by the CUDA kernels: the current stream through the stable C shim, launch and device
+// checks, and deterministic warp/block reductions (fixed trees, no floating-point atomics).
 #pragma once
 
-#include "../common.h"
+#include "../checks.h"
 
 #include <torch/csrc/stable/accelerator.h>
 
@@ -30,18 +30,29 @@ inline void check_launch() {
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-template <typename T>
-__device__ __forceinline__ T warp_sum(T v) {
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
+// Every tensor of a CUDA kernel call on one GPU (checks.h compares the others with it).
+inline void check_cuda(const Tensor& t, const char* what) {
+  STD_TORCH_CHECK(t.is_cuda(), what, " must be a CUDA tensor, got one on ", device_name(t));
+}
+
+// A grid dimension the launch accepts (x: 2^31 - 1 blocks).
+inline void check_grid(int64_t blocks, const char* what) {
+  STD_TORCH_CHECK(blocks < (int64_t(1) << 31), what, " needs ", blocks,
+                  " CUDA blocks, more than one launch takes (2^31 - 1); split the call");
+}
+
+// Copies `bytes` written on `stream` to the host and waits for them (one host sync).
+inline void read_back(void* host, const void* device, size_t bytes, cudaStream_t stream,
+                      const char* op) {
+  STD_TORCH_CHECK(
+      cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, stream) == cudaSuccess,
+      op, ": copy to the host failed");
+  STD_TORCH_CHECK(cudaStreamSynchronize(stream) == cudaSuccess, op, ": sync failed");
 }
 
 template <typename T>
-__device__ __forceinline__ T warp_max(T v) {
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    const T o = __shfl_xor_sync(0xffffffffu, v, offset);
-    v = (o > v || o != o) ? o : v;  // NaN propagates, as in torch.amax
-  }
+__device__ __forceinline__ T warp_sum(T v) {
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
   return v;
 }
 

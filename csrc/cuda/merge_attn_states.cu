@@ -79,12 +79,14 @@ int64_t blocks_for(int64_t rows) { return ceil_div(rows, kWarpsPerBlock); }
 
 std::tuple<Tensor, Tensor> merge_attn_states(Tensor out_a, Tensor lse_a, Tensor out_b,
                                              Tensor lse_b) {
-  check_dim(out_a, 3, "out_a");
+  check_merge(out_a, lse_a, out_b, lse_b);
+  check_cuda(out_a, "out_a");
   torch::stable::accelerator::DeviceGuard guard(out_a.get_device_index());
   cudaStream_t stream = current_stream(out_a);
   const int64_t tokens = out_a.size(0), heads = out_a.size(1), dim = out_a.size(2);
-  Tensor out = torch::stable::new_empty(out_a, {tokens, heads, dim});
-  Tensor lse = torch::stable::new_empty(lse_a, {heads, tokens});
+  check_grid(blocks_for(tokens * heads), "merge_attn_states");
+  Tensor out = allocate(out_a, {tokens, heads, dim}, out_a.scalar_type(), "out");
+  Tensor lse = allocate(lse_a, {heads, tokens}, lse_a.scalar_type(), "lse");
   if (tokens * heads == 0) return {out, lse};
   dispatch_floating(out_a.scalar_type(), "out_a", [&](auto s) {
     using scalar_t = decltype(s);
@@ -101,14 +103,17 @@ std::tuple<Tensor, Tensor> merge_attn_states(Tensor out_a, Tensor lse_a, Tensor 
 std::tuple<Tensor, Tensor, Tensor, Tensor> merge_attn_states_backward(
     Tensor grad_out, std::optional<Tensor> grad_lse, Tensor out_a, Tensor lse_a, Tensor out_b,
     Tensor lse_b) {
-  check_dim(out_a, 3, "out_a");
+  check_merge_backward(grad_out, grad_lse, out_a, lse_a, out_b, lse_b);
+  check_cuda(out_a, "out_a");
   torch::stable::accelerator::DeviceGuard guard(out_a.get_device_index());
   cudaStream_t stream = current_stream(out_a);
   const int64_t tokens = out_a.size(0), heads = out_a.size(1), dim = out_a.size(2);
-  Tensor grad_oa = torch::stable::new_empty(out_a, {tokens, heads, dim});
-  Tensor grad_ob = torch::stable::new_empty(out_b, {tokens, heads, dim});
-  Tensor grad_la = torch::stable::new_empty(lse_a, {heads, tokens});
-  Tensor grad_lb = torch::stable::new_empty(lse_b, {heads, tokens});
+  check_grid(blocks_for(tokens * heads), "merge_attn_states_backward");
+  const ScalarType type = out_a.scalar_type(), acc_type = lse_a.scalar_type();
+  Tensor grad_oa = allocate(out_a, {tokens, heads, dim}, type, "grad_out_a");
+  Tensor grad_ob = allocate(out_b, {tokens, heads, dim}, type, "grad_out_b");
+  Tensor grad_la = allocate(lse_a, {heads, tokens}, acc_type, "grad_lse_a");
+  Tensor grad_lb = allocate(lse_b, {heads, tokens}, acc_type, "grad_lse_b");
   if (tokens * heads == 0) return {grad_oa, grad_la, grad_ob, grad_lb};
   dispatch_floating(out_a.scalar_type(), "out_a", [&](auto s) {
     using scalar_t = decltype(s);

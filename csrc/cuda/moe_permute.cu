@@ -115,36 +115,30 @@ void route(const Tensor& topk_idx, int64_t experts, int64_t alignment, Tensor& r
 
 std::tuple<Tensor, Tensor, Tensor> moe_permute(Tensor x, Tensor topk_idx, int64_t num_experts,
                                                int64_t alignment) {
-  check_dim(x, 2, "x");
-  check_dim(topk_idx, 2, "topk_idx");
-  check_contiguous(x, "x");
-  check_contiguous(topk_idx, "topk_idx");
-  STD_TORCH_CHECK(num_experts > 0 && alignment > 0, "num_experts and alignment must be > 0");
+  check_permute(x, topk_idx, num_experts, alignment);
+  check_cuda(x, "x");
   torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
   cudaStream_t stream = current_stream(x);
   const int64_t tokens = topk_idx.size(0), top_k = topk_idx.size(1), dim = x.size(1);
   const int64_t chunks = ceil_div(tokens * top_k, kChunk);
-  Tensor row_map = torch::stable::new_empty(topk_idx, {tokens, top_k}, ScalarType::Long);
-  Tensor counts = torch::stable::new_zeros(topk_idx, {num_experts}, ScalarType::Long);
-  Tensor start = torch::stable::new_empty(topk_idx, {chunks * num_experts}, ScalarType::Long);
-  Tensor scratch = torch::stable::new_zeros(topk_idx, {2}, ScalarType::Long);  // rows, bad id
+  check_grid(tokens * top_k, "moe_permute (one block per slot of topk_idx)");
+  Tensor row_map = allocate(topk_idx, {tokens, top_k}, ScalarType::Long, "row_map");
+  Tensor counts = allocate(topk_idx, {num_experts}, ScalarType::Long, "tokens_per_expert", true);
+  Tensor start = allocate(topk_idx, {chunks * num_experts}, ScalarType::Long, "histograms");
+  Tensor scratch = allocate(topk_idx, {2}, ScalarType::Long, "row count", true);  // rows, bad
   if (tokens * top_k > 0) {
     if (topk_idx.scalar_type() == ScalarType::Long) {
       route<int64_t>(topk_idx, num_experts, alignment, row_map, counts, start, scratch, stream);
     } else {
-      STD_TORCH_CHECK(topk_idx.scalar_type() == ScalarType::Int, "topk_idx must be int64/int32");
       route<int32_t>(topk_idx, num_experts, alignment, row_map, counts, start, scratch, stream);
     }
   }
   int64_t host[2];
-  STD_TORCH_CHECK(cudaMemcpyAsync(host, scratch.const_data_ptr(), sizeof host,
-                                  cudaMemcpyDeviceToHost, stream) == cudaSuccess);
-  STD_TORCH_CHECK(cudaStreamSynchronize(stream) == cudaSuccess, "moe_permute: sync failed");
-  STD_TORCH_CHECK(host[1] == 0, "topk_idx holds an expert id outside [-1, num_experts=",
-                  num_experts, ")");
+  read_back(host, scratch.const_data_ptr(), sizeof host, stream, "moe_permute");
+  STD_TORCH_CHECK(host[1] == 0, "topk_idx holds an expert id that is outside [-1, num_experts=",
+                  num_experts, "); -1 drops a slot");
   const int64_t rows = host[0];
-  Tensor sorted = alignment > 1 ? torch::stable::new_zeros(x, {rows, dim})
-                                : torch::stable::new_empty(x, {rows, dim});
+  Tensor sorted = allocate(x, {rows, dim}, x.scalar_type(), "x_sorted", alignment > 1);
   const int64_t row_bytes = dim * static_cast<int64_t>(x.element_size());
   if (tokens * top_k > 0 && row_bytes > 0) {
     const int threads = 128;
@@ -161,6 +155,38 @@ std::tuple<Tensor, Tensor, Tensor> moe_permute(Tensor x, Tensor topk_idx, int64_
     check_launch();
   }
   return {sorted, row_map, counts};
+}
+
+// flags[0]: an entry outside [-1, rows); flags[1]: a row named twice (seen[r] counts uses).
+__global__ void row_map_kernel(const int64_t* row_map, int64_t slots, int64_t rows, int* seen,
+                               int* flags) {
+  const int64_t s = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (s >= slots) return;
+  const int64_t r = row_map[s];
+  if (r < -1 || r >= rows) {
+    atomicOr(&flags[0], 1);
+  } else if (r >= 0 && atomicAdd(&seen[r], 1) != 0) {
+    atomicOr(&flags[1], 1);
+  }
+}
+
+// The CPU kernels' row_map check on the GPU (one host sync): every entry in [-1, rows), no row
+// named twice. The kernels below index rows only after it passed.
+void check_row_map_values(const Tensor& rows, const Tensor& row_map, cudaStream_t stream,
+                          const char* op) {
+  const int64_t slots = row_map.numel(), n = rows.size(0);
+  if (slots == 0) return;
+  Tensor seen = allocate(rows, {n + 2}, ScalarType::Int, "row_map check", true);
+  int* flags = seen.mutable_data_ptr<int>() + n;
+  row_map_kernel<<<ceil_div(slots, 256), 256, 0, stream>>>(row_map.const_data_ptr<int64_t>(),
+                                                            slots, n, seen.mutable_data_ptr<int>(),
+                                                            flags);
+  check_launch();
+  int32_t host[2];
+  read_back(host, flags, sizeof host, stream, op);
+  STD_TORCH_CHECK(!host[0], "row_map holds an entry outside [-1, ", n,
+                  "), the rows of y_sorted; pass the row_map moe_permute returned");
+  STD_TORCH_CHECK(!host[1], "row_map names a row twice; pass the row_map moe_permute returned");
 }
 
 // One block per token: out[t] = sum_k w[t, k] * rows[row_map[t, k]]. Weighted sums run in slot
@@ -197,21 +223,21 @@ void dispatch_weights(const Tensor& rows, const Tensor& w, F&& f) {
     using scalar_t = decltype(s);
     if (w.scalar_type() == rows.scalar_type()) {
       f(s, scalar_t{});
-    } else {
-      STD_TORCH_CHECK(w.scalar_type() == ScalarType::Float,
-                      "topk_weights must be float32 or the dtype of y_sorted");
+    } else {  // float32, as check_weights made sure
       f(s, float{});
     }
   });
 }
 
 Tensor moe_unpermute(Tensor y_sorted, Tensor row_map, Tensor topk_weights) {
-  check_dim(y_sorted, 2, "y_sorted");
-  check_dim(row_map, 2, "row_map");
+  check_unpermute(y_sorted, row_map, topk_weights);
+  check_cuda(y_sorted, "y_sorted");
   torch::stable::accelerator::DeviceGuard guard(y_sorted.get_device_index());
   cudaStream_t stream = current_stream(y_sorted);
   const int64_t tokens = row_map.size(0), top_k = row_map.size(1), dim = y_sorted.size(1);
-  Tensor out = torch::stable::new_empty(y_sorted, {tokens, dim});
+  check_grid(tokens, "moe_unpermute (one block per token)");
+  check_row_map_values(y_sorted, row_map, stream, "moe_unpermute");
+  Tensor out = allocate(y_sorted, {tokens, dim}, y_sorted.scalar_type(), "out");
   if (tokens == 0 || dim == 0) return out;
   dispatch_weights(y_sorted, topk_weights, [&](auto s, auto wt) {
     using scalar_t = decltype(s);
@@ -225,12 +251,14 @@ Tensor moe_unpermute(Tensor y_sorted, Tensor row_map, Tensor topk_weights) {
 }
 
 Tensor moe_permute_backward(Tensor grad_sorted, Tensor row_map) {
-  check_dim(grad_sorted, 2, "grad_x_sorted");
-  check_dim(row_map, 2, "row_map");
+  check_permute_backward(grad_sorted, row_map);
+  check_cuda(grad_sorted, "grad_x_sorted");
   torch::stable::accelerator::DeviceGuard guard(grad_sorted.get_device_index());
   cudaStream_t stream = current_stream(grad_sorted);
   const int64_t tokens = row_map.size(0), top_k = row_map.size(1), dim = grad_sorted.size(1);
-  Tensor grad_x = torch::stable::new_empty(grad_sorted, {tokens, dim});
+  check_grid(tokens, "moe_permute_backward (one block per token)");
+  check_row_map_values(grad_sorted, row_map, stream, "moe_permute_backward");
+  Tensor grad_x = allocate(grad_sorted, {tokens, dim}, grad_sorted.scalar_type(), "grad_x");
   if (tokens == 0 || dim == 0) return grad_x;
   dispatch_floating(grad_sorted.scalar_type(), "grad_x_sorted", [&](auto s) {
     using scalar_t = decltype(s);
@@ -271,13 +299,17 @@ __global__ void unpermute_backward_kernel(const scalar_t* g, const scalar_t* y,
 
 std::tuple<Tensor, Tensor> moe_unpermute_backward(Tensor grad_out, Tensor y_sorted,
                                                   Tensor row_map, Tensor topk_weights) {
-  check_dim(y_sorted, 2, "y_sorted");
-  check_dim(row_map, 2, "row_map");
+  check_unpermute_backward(grad_out, y_sorted, row_map, topk_weights);
+  check_cuda(y_sorted, "y_sorted");
   torch::stable::accelerator::DeviceGuard guard(y_sorted.get_device_index());
   cudaStream_t stream = current_stream(y_sorted);
   const int64_t tokens = row_map.size(0), top_k = row_map.size(1), dim = y_sorted.size(1);
-  Tensor grad_y = torch::stable::new_zeros(y_sorted, {y_sorted.size(0), dim});  // padding rows
-  Tensor grad_w = torch::stable::new_zeros(topk_weights, {tokens, top_k});
+  check_grid(tokens, "moe_unpermute_backward (one block per token)");
+  check_row_map_values(y_sorted, row_map, stream, "moe_unpermute_backward");
+  Tensor grad_y = allocate(y_sorted, {y_sorted.size(0), dim}, y_sorted.scalar_type(),
+                           "grad_y_sorted", true);  // padding rows stay 0
+  Tensor grad_w = allocate(topk_weights, {tokens, top_k}, topk_weights.scalar_type(),
+                           "grad_topk_weights", true);
   if (tokens == 0 || top_k == 0) return {grad_y, grad_w};
   dispatch_weights(y_sorted, topk_weights, [&](auto s, auto wt) {
     using scalar_t = decltype(s);

@@ -104,7 +104,13 @@ for _name in _SCHEMAS:
     _lib.impl(_name, _unavailable(_name), "CompositeExplicitAutograd")
 
 
-# --- argument checks (shapes and dtypes only: shared by the fronts and the fakes) -------------
+# --- argument checks: the contract of csrc/checks.h, run by the fronts and the fakes ------------
+# The kernels run the same checks (and those that need values: expert ids, row_map entries), so
+# a call is refused alike through a front, a traced graph or torch.ops.prime_rl directly.
+
+MAX_EXPERTS = 4096  # csrc/checks.h: kMaxExperts, kMaxTopK, kMaxAlignment
+MAX_TOP_K = 4096
+MAX_ALIGNMENT = 65536
 
 
 def _check_float(name: str, t: Tensor) -> None:
@@ -112,71 +118,129 @@ def _check_float(name: str, t: Tensor) -> None:
         raise TypeError(f"{name} must be float32, float64, bfloat16 or float16, got {t.dtype}")
 
 
+def _check_dim(name: str, t: Tensor, dim: int) -> None:
+    if t.dim() != dim:
+        raise ValueError(f"{name} must have {dim} dimensions, got shape {tuple(t.shape)}")
+
+
+def _check_shape(name: str, t: Tensor, shape: tuple[int, ...], what: str) -> None:
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {what} = {list(shape)}, got {list(t.shape)}")
+
+
+def _check_dtype(name: str, t: Tensor, dtype: torch.dtype) -> None:
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+
+
+def _check_layout(first: tuple[str, Tensor], *others: tuple[str, Tensor | None]) -> None:
+    """One device for every tensor, and contiguous ones (the kernels read raw pointers)."""
+    ref_name, ref = first
+    for name, t in (first, *others):
+        if t is None:
+            continue
+        if t.device != ref.device:
+            raise ValueError(
+                f"{name} is on {t.device} but {ref_name} on {ref.device}; move it with "
+                f".to({ref_name}.device)"
+            )
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (call .contiguous())")
+
+
+def _check_top_k(name: str, row_map: Tensor) -> None:
+    if row_map.shape[1] > MAX_TOP_K:
+        raise ValueError(
+            f"{name} has {row_map.shape[1]} slots per token, more than the {MAX_TOP_K} the "
+            "kernels support"
+        )
+
+
 def _check_permute(x: Tensor, topk_idx: Tensor, num_experts: int, alignment: int) -> None:
-    if x.dim() != 2 or topk_idx.dim() != 2 or x.shape[0] != topk_idx.shape[0]:
+    _check_dim("x", x, 2)
+    _check_dim("topk_idx", topk_idx, 2)
+    if x.shape[0] != topk_idx.shape[0]:
         raise ValueError(
             f"moe_permute needs x [T, D] and topk_idx [T, K] with the same T, got "
-            f"{tuple(x.shape)} and {tuple(topk_idx.shape)}; flatten the batch dimensions first"
+            f"{x.shape[0]} and {topk_idx.shape[0]} tokens; flatten the batch dimensions first"
         )
     if topk_idx.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"topk_idx must be int64 or int32 expert ids, got {topk_idx.dtype}")
-    if num_experts < 1:
-        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
-    if alignment < 1:
+    _check_top_k("topk_idx", topk_idx)
+    if not 1 <= num_experts <= MAX_EXPERTS:
+        raise ValueError(f"num_experts must be in [1, {MAX_EXPERTS}], got {num_experts}")
+    if not 1 <= alignment <= MAX_ALIGNMENT:
         raise ValueError(
-            f"alignment must be >= 1 (1 for no padding, 128 for DeepGEMM), got {alignment}"
+            f"alignment must be in [1, {MAX_ALIGNMENT}] (1 for no padding, 128 for DeepGEMM), "
+            f"got {alignment}"
         )
-    if x.device != topk_idx.device:
-        raise ValueError(f"x is on {x.device} but topk_idx on {topk_idx.device}")
+    _check_layout(("x", x), ("topk_idx", topk_idx))
+
+
+def _check_rows_and_map(rows_name: str, rows: Tensor, row_map: Tensor) -> None:
+    _check_float(rows_name, rows)
+    _check_dim(rows_name, rows, 2)
+    _check_dim("row_map", row_map, 2)
+    _check_dtype("row_map", row_map, torch.int64)
+    _check_top_k("row_map", row_map)
+    _check_layout((rows_name, rows), ("row_map", row_map))
 
 
 def _check_unpermute(y_sorted: Tensor, row_map: Tensor, topk_weights: Tensor) -> None:
-    _check_float("y_sorted", y_sorted)
-    if y_sorted.dim() != 2 or row_map.dim() != 2 or row_map.dtype != torch.int64:
-        raise ValueError(
-            f"moe_unpermute needs y_sorted [M, D] and the int64 row_map [T, K] that moe_permute "
-            f"returned, got {tuple(y_sorted.shape)} and {row_map.dtype} {tuple(row_map.shape)}"
-        )
-    if topk_weights.shape != row_map.shape:
-        raise ValueError(
-            f"topk_weights has shape {tuple(topk_weights.shape)} but row_map "
-            f"{tuple(row_map.shape)}; pass one weight per (token, slot)"
-        )
-    if topk_weights.dtype not in (y_sorted.dtype, torch.float32):
+    _check_rows_and_map("y_sorted", y_sorted, row_map)
+    _check_shape("topk_weights", topk_weights, tuple(row_map.shape), "[T, K] (row_map's)")
+    if topk_weights.dtype not in (torch.float32, y_sorted.dtype):
         raise TypeError(
             f"topk_weights must be float32 or {y_sorted.dtype} (the dtype of y_sorted), got "
             f"{topk_weights.dtype}"
         )
+    _check_layout(("y_sorted", y_sorted), ("topk_weights", topk_weights))
+
+
+def _check_unpermute_backward(grad_out, y_sorted, row_map, topk_weights) -> None:
+    _check_unpermute(y_sorted, row_map, topk_weights)
+    _check_shape("grad_out", grad_out, (row_map.shape[0], y_sorted.shape[1]), "[T, D]")
+    _check_dtype("grad_out", grad_out, y_sorted.dtype)
+    _check_layout(("y_sorted", y_sorted), ("grad_out", grad_out))
+
+
+def _lse_dtype(out: Tensor) -> torch.dtype:
+    return torch.float64 if out.dtype == torch.float64 else torch.float32
 
 
 def _check_merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
     _check_float("out_a", out_a)
-    if out_a.dim() != 3 or out_b.shape != out_a.shape or out_b.dtype != out_a.dtype:
-        raise ValueError(
-            f"out_a and out_b must be [T, H, D] of one shape and dtype, got {out_a.dtype} "
-            f"{tuple(out_a.shape)} and {out_b.dtype} {tuple(out_b.shape)}"
-        )
+    _check_dim("out_a", out_a, 3)
     tokens, heads, _ = out_a.shape
-    lse_dtype = torch.float64 if out_a.dtype == torch.float64 else torch.float32
+    _check_shape("out_b", out_b, tuple(out_a.shape), "[T, H, D] (out_a's)")
+    _check_dtype("out_b", out_b, out_a.dtype)
     for name, lse in (("lse_a", lse_a), ("lse_b", lse_b)):
-        if tuple(lse.shape) != (heads, tokens) or lse.dtype != lse_dtype:
-            raise ValueError(
-                f"{name} must be {lse_dtype} [H, T] = [{heads}, {tokens}] (heads first, as "
-                f"prime_rl_attn returns it), got {lse.dtype} {tuple(lse.shape)}"
-            )
+        _check_shape(name, lse, (heads, tokens), "[H, T] (heads first, as prime_rl_attn returns)")
+        _check_dtype(name, lse, _lse_dtype(out_a))
+    _check_layout(("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b))
+
+
+def _check_merge_backward(grad_out, grad_lse, out_a, lse_a, out_b, lse_b) -> None:
+    _check_merge(out_a, lse_a, out_b, lse_b)
+    _check_shape("grad_out", grad_out, tuple(out_a.shape), "[T, H, D] (out_a's)")
+    _check_dtype("grad_out", grad_out, out_a.dtype)
+    if grad_lse is not None:
+        _check_shape("grad_lse", grad_lse, tuple(lse_a.shape), "[H, T]")
+        _check_dtype("grad_lse", grad_lse, _lse_dtype(out_a))
+    _check_layout(("out_a", out_a), ("grad_out", grad_out), ("grad_lse", grad_lse))
 
 
 def _check_quantize(x: Tensor, block_rows: int, scale_format: str) -> None:
     _check_float("x", x)
-    if x.dim() != 2:
-        raise ValueError(f"quantize_fp8_blockwise expects a 2-D x [M, K], got {tuple(x.shape)}")
+    _check_dim("x", x, 2)
+    _check_layout(("x", x))
     if block_rows not in (1, _FP8_BLOCK):
         raise ValueError(
             f"block_rows must be 1 (activations, 1x128 blocks) or 128 (weights, 128x128 "
             f"blocks), got {block_rows}"
         )
     if scale_format not in _SCALE_FORMATS:
-        raise ValueError(f"scale_format must be one of {_SCALE_FORMATS}, got {scale_format!r}")
+        raise ValueError(f"scale_format must be 'fp32' or 'ue8m0', got {scale_format!r}")
 
 
 # --- fakes --------------------------------------------------------------------------------------
@@ -195,6 +259,7 @@ def _(x, topk_idx, num_experts, alignment):
 
 @torch.library.register_fake("prime_rl::moe_permute_backward")
 def _(grad_x_sorted, row_map):
+    _check_rows_and_map("grad_x_sorted", grad_x_sorted, row_map)
     return grad_x_sorted.new_empty(row_map.shape[0], grad_x_sorted.shape[1])
 
 
@@ -206,6 +271,7 @@ def _(y_sorted, row_map, topk_weights):
 
 @torch.library.register_fake("prime_rl::moe_unpermute_backward")
 def _(grad_out, y_sorted, row_map, topk_weights):
+    _check_unpermute_backward(grad_out, y_sorted, row_map, topk_weights)
     return torch.empty_like(y_sorted), torch.empty_like(topk_weights)
 
 
@@ -217,6 +283,7 @@ def _(out_a, lse_a, out_b, lse_b):
 
 @torch.library.register_fake("prime_rl::merge_attn_states_backward")
 def _(grad_out, grad_lse, out_a, lse_a, out_b, lse_b):
+    _check_merge_backward(grad_out, grad_lse, out_a, lse_a, out_b, lse_b)
     return (
         torch.empty_like(out_a),
         torch.empty_like(lse_a),
@@ -322,10 +389,9 @@ def moe_permute(
 
     >>> x_sorted, row_map, counts = moe_permute(x, topk_idx, num_experts=8, alignment=128)
     """
+    x, topk_idx = x.contiguous(), topk_idx.contiguous()
     _check_permute(x, topk_idx, num_experts, alignment)
-    return torch.ops.prime_rl.moe_permute(
-        x.contiguous(), topk_idx.contiguous(), num_experts, alignment
-    )
+    return torch.ops.prime_rl.moe_permute(x, topk_idx, num_experts, alignment)
 
 
 def moe_unpermute(y_sorted: Tensor, row_map: Tensor, topk_weights: Tensor) -> Tensor:
@@ -337,10 +403,9 @@ def moe_unpermute(y_sorted: Tensor, row_map: Tensor, topk_weights: Tensor) -> Te
 
     >>> out = moe_unpermute(expert_out, row_map, topk_weights)  # [T, D]
     """
+    y_sorted, row_map, topk_weights = (t.contiguous() for t in (y_sorted, row_map, topk_weights))
     _check_unpermute(y_sorted, row_map, topk_weights)
-    return torch.ops.prime_rl.moe_unpermute(
-        y_sorted.contiguous(), row_map.contiguous(), topk_weights.contiguous()
-    )
+    return torch.ops.prime_rl.moe_unpermute(y_sorted, row_map, topk_weights)
 
 
 def merge_attn_states(
@@ -355,10 +420,9 @@ def merge_attn_states(
 
     >>> out, lse = merge_attn_states(out, lse, step_out, step_lse)
     """
+    out_a, lse_a, out_b, lse_b = (t.contiguous() for t in (out_a, lse_a, out_b, lse_b))
     _check_merge(out_a, lse_a, out_b, lse_b)
-    return torch.ops.prime_rl.merge_attn_states(
-        out_a.contiguous(), lse_a.contiguous(), out_b.contiguous(), lse_b.contiguous()
-    )
+    return torch.ops.prime_rl.merge_attn_states(out_a, lse_a, out_b, lse_b)
 
 
 def quantize_fp8_blockwise(
@@ -374,5 +438,6 @@ def quantize_fp8_blockwise(
 
     >>> q, scale = quantize_fp8_blockwise(weight, block_rows=128, scale_format="ue8m0")
     """
+    x = x.contiguous()
     _check_quantize(x, block_rows, scale_format)
-    return torch.ops.prime_rl.quantize_fp8_blockwise(x.contiguous(), block_rows, scale_format)
+    return torch.ops.prime_rl.quantize_fp8_blockwise(x, block_rows, scale_format)
