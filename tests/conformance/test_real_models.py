@@ -55,6 +55,16 @@ def reference(request):
     return case, model, batch, loss, grads
 
 
+@pytest.fixture(scope="module")
+def validation_loss(reference):
+    """The plain model's loss under ``torch.no_grad()``: a grad-mode forward may take other
+    kernels (T5's is not bitwise equal to its no_grad one on some CPUs), so a validation pass
+    is compared with a validation pass."""
+    case, model, batch, *_ = reference
+    with torch.no_grad():
+        return case.loss(model, batch)
+
+
 def _layout(model):
     return {
         "modules": [(name, type(m)) for name, m in model.named_modules()],
@@ -88,7 +98,7 @@ def test_discovery_wraps_the_blocks_and_keeps_every_name(reference):
 
 
 @pytest.mark.parametrize("mode", ["none", *SETTINGS])
-def test_gradients_are_bitwise_equal_to_no_checkpointing(reference, mode):
+def test_gradients_are_bitwise_equal_to_no_checkpointing(reference, validation_loss, mode):
     case, plain, batch, loss0, grads0 = reference
     model = copy.deepcopy(plain)
     if mode != "none":  # "none": the plain step repeats exactly, so equality below is meaningful
@@ -102,7 +112,7 @@ def test_gradients_are_bitwise_equal_to_no_checkpointing(reference, mode):
         differ = _differing(grads0, grads)
         assert not differ, f"{case.name} mode={mode} step {step}: gradients differ for {differ}"
     with torch.no_grad():  # a validation pass through the wrapped blocks
-        assert torch.equal(case.loss(model, batch), loss0)
+        assert torch.equal(case.loss(model, batch), validation_loss)
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
