@@ -10,8 +10,9 @@ The ops take the process group by name (``ProcessGroup.group_name``): a schema c
 not Python objects. The fronts below take a ``ProcessGroup`` (default: the world group).
 Arguments are validated before any communication starts. A call that is valid on each rank but
 does not fit its peers' calls (splits that disagree, shapes or dtypes that differ) cannot be seen
-from one rank: the fronts' checked mode (``checked=True`` or ``PRIME_OPS_CHECK_COLLECTIVES=1``,
-see :mod:`prime_ops.groups`) compares every rank's call first and raises on all of them.
+from one rank: the fronts' checked mode (a setting of the process group:
+``PRIME_OPS_CHECK_COLLECTIVES=1`` or :func:`prime_ops.groups.set_checked`) compares every rank's
+call first and raises on all of them.
 """
 
 from __future__ import annotations
@@ -37,13 +38,25 @@ NAMESPACE = "prime_rl_collectives"
 # --- validation (shared by kernels and fakes; never communicates) ----------------------------
 
 
+def _check_tensor(x: object, op: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: x must be a torch.Tensor, got {type(x).__name__}")
+
+
+def _check_int(name: str, value: object, op: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__} {value!r}")
+
+
 def _check_rank(x: torch.Tensor, op: str) -> None:
+    _check_tensor(x, op)
     if x.dim() == 0:
         raise ValueError(f"{op}: x must have at least one dimension, got a 0-d tensor")
 
 
 def _check_dim(x: torch.Tensor, dim: int, op: str) -> int:
     _check_rank(x, op)
+    _check_int("dim", dim, op)
     if not -x.dim() <= dim < x.dim():
         raise ValueError(
             f"{op}: dim={dim} is out of range for x of shape {tuple(x.shape)}; "
@@ -280,10 +293,32 @@ def _layout(x: torch.Tensor, dim: int | None = None) -> Fingerprint:
 # --- fronts ---------------------------------------------------------------------------------
 
 
-def _as_splits(splits: torch.Tensor | Sequence[int]) -> torch.Tensor:
+def _ints(value: object) -> bool:
+    """An int (not a bool), or a list or tuple of such (nested lists fail the shape check)."""
+    if isinstance(value, (list, tuple)):
+        return all(_ints(v) for v in value)
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _as_splits(name: str, splits: torch.Tensor | Sequence[int]) -> torch.Tensor:
     if isinstance(splits, torch.Tensor):
         return splits
+    if not isinstance(splits, (list, tuple)) or not _ints(splits):
+        raise TypeError(
+            f"{name} must be a list of ints (rows per rank) or an integer tensor, got {splits!r}"
+        )
     return torch.tensor(splits, dtype=torch.int64)
+
+
+def _run_checks(op: str, group: dist.ProcessGroup, describe, local=None) -> None:
+    """Checked mode: ``describe`` runs inside the fingerprint exchange. Default mode: ``local``
+    (default: ``describe``) runs alone, without communicating, and its error says that the
+    peers may be waiting; the op's own checks run in the same way."""
+    if checked_mode(group):
+        agree(op, group, describe)
+    else:
+        with rank_local(op, group):
+            (local or describe)()
 
 
 def all_to_all_single(
@@ -291,16 +326,14 @@ def all_to_all_single(
     output_splits: torch.Tensor | Sequence[int],
     input_splits: torch.Tensor | Sequence[int],
     group: dist.ProcessGroup | None = None,
-    *,
-    checked: bool | None = None,
 ) -> torch.Tensor:
     """Exchange variable-size row blocks of ``x`` (dim 0) with every rank of ``group``.
 
     ``input_splits[i]`` rows go to rank i; ``output_splits[i]`` rows arrive from rank i. Splits
     are lists of ints or integer tensors (CPU or on ``x``'s device; the sizes are read to the
-    host). The gradient is the same exchange with the splits swapped. ``checked`` (default: the
-    ``PRIME_OPS_CHECK_COLLECTIVES`` environment variable) first checks on every rank that the
-    splits, trailing shapes and dtypes of all ranks fit together (see :mod:`prime_ops.groups`).
+    host). The gradient is the same exchange with the splits swapped. In checked mode (see
+    :mod:`prime_ops.groups`) every rank first checks that the splits, trailing shapes and dtypes
+    of all ranks fit together.
 
     Example (2 ranks; rank 0 sends 1 row to itself and 2 to rank 1)::
 
@@ -310,71 +343,68 @@ def all_to_all_single(
     """
     op = "all_to_all_single"
     group = resolve(group, op)
-    output_splits, input_splits = _as_splits(output_splits), _as_splits(input_splits)
-    if checked_mode(checked):
+    splits = []
 
-        def describe():
-            recv, send = _all_to_all_sizes(x, output_splits, input_splits, group.size())
-            shared = {"x.shape[1:]": tuple(x.shape[1:]), "x.dtype": str(x.dtype)}
-            return Fingerprint(shared, tuple(send), tuple(recv))
+    def convert():  # default mode: the op reads the sizes (a sync for device tensors) once
+        _check_rank(x, op)
+        splits[:] = (
+            _as_splits("output_splits", output_splits),
+            _as_splits("input_splits", input_splits),
+        )
 
-        agree(op, group, describe, x.device)
-    return _all_to_all_single(x, output_splits, input_splits, group.group_name)
+    def describe():
+        convert()
+        recv, send = _all_to_all_sizes(x, *splits, group.size())
+        shared = {"x.shape[1:]": tuple(x.shape[1:]), "x.dtype": str(x.dtype)}
+        return Fingerprint(shared, tuple(send), tuple(recv))
+
+    _run_checks(op, group, describe, convert)
+    return _all_to_all_single(x, *splits, group.group_name)
 
 
 def all_to_all_single_equal(
-    x: torch.Tensor, group: dist.ProcessGroup | None = None, *, checked: bool | None = None
+    x: torch.Tensor, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """Split dim 0 into group-size equal chunks, send chunk i to rank i, receive in rank order.
-    ``checked``: as in :func:`all_to_all_single` (every rank's x must match in shape and dtype).
+    Checked mode: every rank's x must match in shape and dtype.
     """
     op = "all_to_all_single_equal"
     group = resolve(group, op)
-    if checked_mode(checked):
 
-        def describe():
-            _check_rank(x, op)
-            _check_divisible(x, 0, group.size(), op)
-            return _layout(x)
+    def describe():
+        _check_rank(x, op)
+        _check_divisible(x, 0, group.size(), op)
+        return _layout(x)
 
-        agree(op, group, describe, x.device)
+    _run_checks(op, group, describe)
     return _all_to_all_single_equal(x, group.group_name)
 
 
 def all_gather(
-    x: torch.Tensor,
-    dim: int = 0,
-    group: dist.ProcessGroup | None = None,
-    *,
-    checked: bool | None = None,
+    x: torch.Tensor, dim: int = 0, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """Concatenate ``x`` from every rank along ``dim``; the gradient is a sum reduce-scatter.
-    ``checked``: as in :func:`all_to_all_single` (shape, dtype and dim must match on every rank).
+    Checked mode: shape, dtype and dim must match on every rank.
     """
-    group = resolve(group, "all_gather")
-    if checked_mode(checked):
-        agree("all_gather", group, lambda: _layout(x, _check_dim(x, dim, "all_gather")), x.device)
+    op = "all_gather"
+    group = resolve(group, op)
+    _run_checks(op, group, lambda: _layout(x, _check_dim(x, dim, op)))
     return _all_gather(x, dim, group.group_name)
 
 
 def reduce_scatter_sum(
-    x: torch.Tensor,
-    dim: int = 0,
-    group: dist.ProcessGroup | None = None,
-    *,
-    checked: bool | None = None,
+    x: torch.Tensor, dim: int = 0, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """Sum ``x`` over ranks and return this rank's chunk along ``dim``; gradient: all-gather.
-    ``checked``: as in :func:`all_to_all_single` (shape, dtype and dim must match on every rank).
+    Checked mode: shape, dtype and dim must match on every rank.
     """
     op = "reduce_scatter_sum"
     group = resolve(group, op)
-    if checked_mode(checked):
 
-        def describe():
-            checked_dim = _check_dim(x, dim, op)
-            _check_divisible(x, checked_dim, group.size(), op)
-            return _layout(x, checked_dim)
+    def describe():
+        checked_dim = _check_dim(x, dim, op)
+        _check_divisible(x, checked_dim, group.size(), op)
+        return _layout(x, checked_dim)
 
-        agree(op, group, describe, x.device)
+    _run_checks(op, group, describe)
     return _reduce_scatter_sum(x, dim, group.group_name)

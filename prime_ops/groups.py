@@ -6,14 +6,19 @@ error raised on one rank before communicating leaves its peers waiting in the co
 
 - Default mode: every check that needs no communication runs on each rank before anything is
   sent, and an error raised there says that the other ranks may be waiting (and how to turn on
-  checked mode).
-- Checked mode (``checked=True`` on a front, or ``PRIME_OPS_CHECK_COLLECTIVES=1``): the front
-  first gathers a small fingerprint of every rank's call (the rank's own validation result,
+  checked mode). What it cannot see is listed in docs/collectives.md.
+- Checked mode: the front first gathers a small fingerprint of every rank's call (an error flag,
   splits, and a digest of shapes, dtypes, ``cu_seqlens`` and flags) with one small all-gather,
-  and every rank raises the same ``ValueError`` if any rank's call is invalid or the calls do
-  not fit together, before the real collective starts. It costs that collective and a host sync
-  per call (measured in ``benchmarks/collectives_overhead.py``); it runs in eager mode and is
-  skipped while compiling.
+  and every rank raises the same ``ValueError`` if any rank's call raised (whatever the
+  exception) or the calls do not fit together, before the real collective starts. It costs that
+  collective and a host sync per call (measured in ``benchmarks/collectives_overhead.py``); it
+  runs in eager mode and is skipped while compiling.
+
+The mode belongs to the process group, not to a call: a rank that checks while its peer does
+not would meet the peer's collective with its fingerprint exchange (a hang, or an abort in gloo).
+``PRIME_OPS_CHECK_COLLECTIVES`` sets it for every group; the first eager front call on a group
+compares the setting of every rank (one all-gather of one value, once per group) and every rank
+raises if they differ. :func:`set_checked` changes it for one group, as a collective.
 """
 
 from __future__ import annotations
@@ -35,24 +40,68 @@ __all__ = [
     "Fingerprint",
     "agree",
     "checked_mode",
+    "exchange_device",
     "peers_may_wait",
     "rank_local",
     "resolve",
     "resolve_name",
+    "set_checked",
 ]
 
 CHECK_ENV = "PRIME_OPS_CHECK_COLLECTIVES"
 _OFF = ("", "0", "false", "no", "off")
+_modes: dict[str, bool] = {}  # group_name -> the mode every rank of the group agreed on
 
 
-def checked_mode(checked: bool | None) -> bool:
-    """``checked`` if given, else whether ``PRIME_OPS_CHECK_COLLECTIVES`` is set (not 0/false);
-    always False while compiling (the exchange reads its result on the host)."""
+def _env_mode() -> bool:
+    return os.environ.get(CHECK_ENV, "").strip().lower() not in _OFF
+
+
+def exchange_device(group: dist.ProcessGroup) -> torch.device:
+    """Where the group's own small exchanges run: the CPU when its backend has gloo, else the
+    current CUDA device (NCCL communicates CUDA tensors only)."""
+    backend = str(dist.get_backend(group))
+    if "gloo" in backend or "nccl" not in backend:
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _agree_on_mode(group: dist.ProcessGroup, enabled: bool, source: str) -> bool:
+    """Every rank's requested mode, exchanged; every rank raises if they differ."""
+    device = exchange_device(group)
+    modes = torch.empty(group.size(), dtype=torch.int64, device=device)
+    all_gather_single(modes, torch.tensor([int(enabled)], device=device), group=group)
+    values = [bool(v) for v in modes.tolist()]
+    if len(set(values)) > 1:
+        listed = ", ".join(f"rank {r}: {'on' if v else 'off'}" for r, v in enumerate(values))
+        raise ValueError(
+            f"checked mode must be the same on every rank of the group; got {listed} (from "
+            f"{source}). Set {CHECK_ENV} alike on every rank, or call "
+            "prime_ops.groups.set_checked(enabled, group) on every rank. Nothing was sent."
+        )
+    return enabled
+
+
+def set_checked(enabled: bool, group: dist.ProcessGroup | None = None) -> None:
+    """Turn checked mode on or off for ``group`` (None: the default group), on every rank.
+
+    A collective, like ``torch.distributed.barrier``: every rank of the group calls it, with the
+    same ``enabled``; ranks that disagree all raise ``ValueError`` and the mode stays as it was.
+    """
+    group = resolve(group, "set_checked")
+    _modes[group.group_name] = _agree_on_mode(group, bool(enabled), "set_checked")
+
+
+def checked_mode(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` runs in checked mode: what :func:`set_checked` set, else
+    ``PRIME_OPS_CHECK_COLLECTIVES`` as every rank agreed at the group's first call. Always False
+    while compiling (the exchange reads its result on the host)."""
     if torch.compiler.is_compiling():
         return False
-    if checked is not None:
-        return bool(checked)
-    return os.environ.get(CHECK_ENV, "").strip().lower() not in _OFF
+    mode = _modes.get(group.group_name)
+    if mode is None:
+        mode = _modes[group.group_name] = _agree_on_mode(group, _env_mode(), CHECK_ENV)
+    return mode
 
 
 def resolve(group: Any, op: str) -> dist.ProcessGroup:
@@ -95,19 +144,19 @@ def resolve_name(group_name: str, op: str) -> dist.ProcessGroup:
 def peers_may_wait(op: str, group: dist.ProcessGroup) -> str:
     return (
         f"[{op} raised this on rank {group.rank()} of {group.size()} before sending anything; "
-        "the other ranks may be waiting in the collective until the group's timeout. Pass "
-        f"checked=True or set {CHECK_ENV}=1 so that every rank checks the call together and "
-        "raises the same error]"
+        "the other ranks may be waiting in the collective until the group's timeout. Set "
+        f"{CHECK_ENV}=1 on every rank (or call prime_ops.groups.set_checked(True) on every "
+        "rank) so that every rank checks the call together and raises the same error]"
     )
 
 
 @contextmanager
 def rank_local(op: str, group: dist.ProcessGroup) -> Iterator[None]:
-    """Append :func:`peers_may_wait` to a ValueError raised inside, on groups of 2+ ranks."""
+    """Append :func:`peers_may_wait` to an error raised inside, on groups of 2+ ranks."""
     try:
         yield
-    except ValueError as exc:
-        if group.size() > 1 and exc.args:
+    except Exception as exc:
+        if group.size() > 1 and exc.args and isinstance(exc.args[0], str):
             exc.args = (f"{exc.args[0]} {peers_may_wait(op, group)}", *exc.args[1:])
         raise
 
@@ -149,29 +198,31 @@ def _mismatch(prints: Sequence[Fingerprint]) -> str | None:
     return None
 
 
-def agree(
-    op: str,
-    group: dist.ProcessGroup,
-    describe: Callable[[], Fingerprint],
-    device: torch.device,
-) -> None:
+def agree(op: str, group: dist.ProcessGroup, describe: Callable[[], Fingerprint]) -> None:
     """Checked mode: raise the same ValueError on every rank unless every rank's call fits.
 
-    ``describe()`` runs this rank's own checks (raising ValueError) and returns its
-    :class:`Fingerprint`. One all-gather of ``2 + 2 * world`` int64 values on ``device`` (the
-    collective's own device, as NCCL needs) carries an error flag, a digest of ``shared`` and the
-    splits; only when that shows a problem does a second exchange (``all_gather_object``) bring
-    every rank's details, so that all ranks raise the same message.
+    ``describe()`` runs this rank's own checks and returns its :class:`Fingerprint`; whatever it
+    raises, this rank still joins the exchange with its error flag set, so its peers raise too
+    instead of waiting in the collective. One all-gather of ``2 + 2 * world`` int64 values (on
+    :func:`exchange_device`) carries the flag, a digest of ``shared`` and the splits; only when
+    that shows a problem does a second exchange (``all_gather_object``) bring every rank's
+    details, so that all ranks raise the same message.
     """
     world = group.size()
+    cause: Exception | None = None
     try:
         error, mine = None, describe()
-    except ValueError as exc:
-        error, mine = str(exc), None
+    except Exception as exc:  # noqa: BLE001 -- any error must reach the peers, not strand them
+        cause = exc
+        error, mine = f"{type(exc).__name__}: {exc}", None
     row = [1, 0, *[0] * 2 * world]
     if mine is not None:
         splits = [*mine.send, *mine.recv] or [0] * 2 * world
-        row = [0, _digest(mine.shared), *splits]
+        if len(splits) != 2 * world:
+            error, mine = f"{op}: expected {world} splits per direction, got {splits}", None
+        else:
+            row = [0, _digest(mine.shared), *splits]
+    device = exchange_device(group)
     table = torch.empty(world * len(row), dtype=torch.int64, device=device)
     all_gather_single(table, torch.tensor(row, device=device), group=group)
     rows = table.view(world, len(row)).tolist()  # the same on every rank: so is the branch
@@ -183,12 +234,13 @@ def agree(
         return
     details: list[Any] = [None] * world
     dist.all_gather_object(details, (error, mine), group=group)
-    suffix = f"Every rank raises this error ({CHECK_ENV} / checked=True); nothing was sent."
+    suffix = f"Every rank raises this error (checked mode, {CHECK_ENV}); nothing was sent."
     for rank, (message, _) in enumerate(details):
         if message is not None:
-            raise ValueError(
+            failure = ValueError(
                 f"{op}: rank {rank} of the group rejected its call: {message}. {suffix}"
             )
+            raise failure from (cause if rank == group.rank() else None)
     problem = _mismatch([fingerprint for _, fingerprint in details]) or "fingerprints differ"
     raise ValueError(f"{op}: the ranks' calls do not fit together: {problem}. {suffix}")
 

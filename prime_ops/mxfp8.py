@@ -37,8 +37,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-import prime_ops.collectives  # noqa: F401  (registers the all_to_all_single the transport calls)
 from prime_ops.backends import import_backend
+from prime_ops.collectives import _all_to_all_sizes, _as_splits, _check_tensor, _run_checks
+from prime_ops.groups import Fingerprint, resolve
 
 __all__ = [
     "BLOCK",
@@ -174,6 +175,7 @@ def _row_width(x: Tensor) -> int:
 
 
 def _check(x: Tensor, scale_rule: str, quantizer: str) -> None:
+    _check_tensor(x, "mxfp8_all_to_all_single")
     if x.dim() < 2:
         raise ValueError(
             f"mxfp8_all_to_all_single: x must be [rows, ..., hidden]; got shape {tuple(x.shape)}"
@@ -238,10 +240,6 @@ def _backward(ctx, grad):
 _mxfp8_all_to_all_single.register_autograd(_backward, setup_context=_setup)
 
 
-def _as_splits(splits: Tensor | Sequence[int]) -> Tensor:
-    return splits if isinstance(splits, Tensor) else torch.tensor(splits, dtype=torch.int64)
-
-
 def mxfp8_all_to_all_single(
     x: Tensor,
     output_splits: Tensor | Sequence[int],
@@ -263,19 +261,30 @@ def mxfp8_all_to_all_single(
 
         out = mxfp8_all_to_all_single(torch.randn(3, 64), [1, 1], [1, 2])  # rank 0: [2, 64]
     """
-    if group is None:
-        if not dist.is_initialized():
-            raise RuntimeError(
-                "torch.distributed is not initialized: call init_process_group() first, or pass "
-                "group= explicitly"
-            )
-        group = dist.group.WORLD
+    op = "mxfp8_all_to_all_single"
+    group = resolve(group, op)
+    splits = []
+
+    def convert():  # default mode: the op reads the sizes (a sync for device tensors) once
+        _check(x, scale_rule, quantizer)
+        splits[:] = (
+            _as_splits("output_splits", output_splits),
+            _as_splits("input_splits", input_splits),
+        )
+
+    def describe():
+        convert()
+        recv, send = _all_to_all_sizes(x, *splits, group.size())
+        shared = {
+            "x.shape[1:]": tuple(x.shape[1:]),
+            "x.dtype": str(x.dtype),
+            "quantize_grad": bool(quantize_grad),
+            "scale_rule": scale_rule,
+            "quantizer": quantizer,
+        }
+        return Fingerprint(shared, tuple(send), tuple(recv))
+
+    _run_checks(op, group, describe, convert)
     return _mxfp8_all_to_all_single(
-        x,
-        _as_splits(output_splits),
-        _as_splits(input_splits),
-        group.group_name,
-        quantize_grad,
-        scale_rule,
-        quantizer,
+        x, *splits, group.group_name, quantize_grad, scale_rule, quantizer
     )

@@ -22,7 +22,7 @@ import prime_ops  # noqa: F401  (registers the ops)
 from prime_ops import collectives as C
 from prime_ops._compat import COMPILE_NEEDS_DYNAMIC_OUTPUT_SHAPE_OPS
 from prime_ops.attn import ring_attention
-from prime_ops.groups import CHECK_ENV
+from prime_ops.groups import CHECK_ENV, set_checked
 
 OPS = torch.ops.prime_rl_collectives
 DTYPES = (torch.float32, torch.bfloat16)
@@ -245,35 +245,36 @@ def _raises_everywhere(call, message):
 def _checked_body(rank, world):
     """Checked mode on 2 ranks: each mismatch raises the same error on both ranks before the
     collective starts; afterwards the group is still in step."""
+    set_checked(True)
     x = torch.ones(4, 3)
     every = r"Every rank raises this error"
     cases = [
         # output_splits that disagree with what the peer sends (here rank 1 sends 1 row, rank 0
         # expects 3): without the check, rank 0 gets uninitialised rows.
         (
-            lambda: C.all_to_all_single(x, [2, 3], [2, 2] if rank == 0 else [1, 3], checked=True),
+            lambda: C.all_to_all_single(x, [2, 3], [2, 2] if rank == 0 else [1, 3]),
             r"rank 1 sends 1 rows to rank 0 \(its input_splits\[0\]\) but rank 0 expects 3",
         ),
         # Rows of different widths, and dtypes that differ: gloo would abort the process.
         (
-            lambda: C.all_to_all_single(torch.ones(4, 3 + rank), [2, 2], [2, 2], checked=True),
+            lambda: C.all_to_all_single(torch.ones(4, 3 + rank), [2, 2], [2, 2]),
             r"x.shape\[1:\] must be the same on every rank; got rank 0: \(3,\), rank 1: \(4,\)",
         ),
         (
-            lambda: C.all_gather(x.to(torch.bfloat16 if rank else torch.float32), checked=True),
+            lambda: C.all_gather(x.to(torch.bfloat16 if rank else torch.float32)),
             "bfloat16",
         ),
-        (lambda: C.all_gather(torch.ones(2 + rank, 3), checked=True), r"\(3, 3\)"),
-        (lambda: C.reduce_scatter_sum(torch.ones(4, 4), dim=rank, checked=True), "dim"),
-        (lambda: C.all_to_all_single_equal(torch.ones(2 * (rank + 1), 3), checked=True), "shape"),
+        (lambda: C.all_gather(torch.ones(2 + rank, 3)), r"\(3, 3\)"),
+        (lambda: C.reduce_scatter_sum(torch.ones(4, 4), dim=rank), "dim"),
+        (lambda: C.all_to_all_single_equal(torch.ones(2 * (rank + 1), 3)), "shape"),
         # One rank's own ValueError reaches every rank.
         (
-            lambda: C.all_to_all_single(x, [2, 2], [2, 2] if rank == 0 else [1, 2], checked=True),
-            r"rank 1 of the group rejected its call: .*input_splits \[1, 2\] sum to 3",
+            lambda: C.all_to_all_single(x, [2, 2], [2, 2] if rank == 0 else [1, 2]),
+            r"rank 1 of the group rejected its call: ValueError: .*input_splits \[1, 2\] sum to 3",
         ),
         (
-            lambda: C.reduce_scatter_sum(torch.ones(3 + rank, 2), checked=True),
-            r"rank 0 of the group rejected its call: .*not divisible",
+            lambda: C.reduce_scatter_sum(torch.ones(3 + rank, 2)),
+            r"rank 0 of the group rejected its call: ValueError: .*not divisible",
         ),
     ]
     for call, message in cases:
@@ -282,33 +283,32 @@ def _checked_body(rank, world):
     # Ring attention: cu_seqlens (or flags) that differ per rank give a wrong result unchecked.
     q = torch.randn(8, 2, 8)
     cu = torch.tensor([0, 16] if rank == 0 else [0, 5, 16], dtype=torch.int32)
-    _raises_everywhere(
-        lambda: ring_attention(q, q, q, cu, 16, checked=True), f"cu_seqlens .*{every}"
-    )
+    _raises_everywhere(lambda: ring_attention(q, q, q, cu, 16), f"cu_seqlens .*{every}")
     same_cu = torch.tensor([0, 16], dtype=torch.int32)
     _raises_everywhere(
-        lambda: ring_attention(q, q, q, same_cu, 16, causal=rank == 0, checked=True),
+        lambda: ring_attention(q, q, q, same_cu, 16, causal=rank == 0),
         f"causal must be the same on every rank; got rank 0: True, rank 1: False.*{every}",
     )
     _raises_everywhere(  # one rank's local error (its q has a different head dim)
-        lambda: ring_attention(torch.randn(8, 2, 8 + 8 * rank), q, q, same_cu, 16, checked=True),
-        f"rank 1 of the group rejected its call: q and k must have the same head dim.*{every}",
+        lambda: ring_attention(torch.randn(8, 2, 8 + 8 * rank), q, q, same_cu, 16),
+        f"rank 1 of the group rejected its call: ValueError: q and k must have the same head dim.*{every}",
     )
 
-    # The environment variable turns the mode on for calls that do not say.
+    # The environment variable sets the mode of a group at its first call.
     os.environ[CHECK_ENV] = "1"
     try:
-        _raises_everywhere(lambda: C.all_gather(torch.ones(2 + rank, 3)), every)
+        fresh = dist.new_group()
+        _raises_everywhere(lambda: C.all_gather(torch.ones(2 + rank, 3), group=fresh), every)
     finally:
         del os.environ[CHECK_ENV]
 
     # Nothing half-started: the group is in step, and checked calls that fit run normally.
-    assert C.all_gather(torch.tensor([rank]), checked=True).tolist() == [0, 1]
+    assert C.all_gather(torch.tensor([rank])).tolist() == [0, 1]
     send = [1, 2] if rank == 0 else [3, 0]
     recv = [1, 3] if rank == 0 else [2, 0]
-    out = C.all_to_all_single(torch.full((sum(send), 2), float(rank)), recv, send, checked=True)
+    out = C.all_to_all_single(torch.full((sum(send), 2), float(rank)), recv, send)
     assert out[:, 0].tolist() == [0.0] * recv[0] + [1.0] * recv[1]
-    out, _ = ring_attention(q, q, q, same_cu, 16, checked=True)
+    out, _ = ring_attention(q, q, q, same_cu, 16)
     assert out.shape == q.shape
 
 

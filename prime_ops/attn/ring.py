@@ -13,8 +13,8 @@ steps. Any backend of :mod:`prime_ops.attn.varlen` computes the steps. Partial r
 accumulated in fp32, or in fp64 for fp64 inputs (so float64 gradient checks are exact).
 
 Every rank must pass the same ``cu_seqlens`` and flags; a rank cannot see that its peers'
-differ, so :func:`ring_attention`'s checked mode (see :mod:`prime_ops.groups`) compares a
-fingerprint of every rank's call before the first send.
+differ, so in checked mode (a setting of the process group, see :mod:`prime_ops.groups`)
+:func:`ring_attention` compares a fingerprint of every rank's call before the first send.
 """
 
 from __future__ import annotations
@@ -304,7 +304,6 @@ def ring_attention(
     softcap: float = 0.0,
     backend: str = "sdpa",
     check_cu_seqlens: bool = True,
-    checked: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Self-attention over a packed batch sharded by tokens across ``group``; ``(out, lse)`` for
     the local queries, equal to full attention. Every rank must call it with same-sized shards
@@ -312,9 +311,10 @@ def ring_attention(
     (``cu_seqlens[-1] == T * group.size()``). Arguments otherwise as in
     :func:`prime_ops.attn.varlen_attention`; sliding windows are not supported.
 
-    ``checked`` (default: the ``PRIME_OPS_CHECK_COLLECTIVES`` environment variable) first
-    compares every rank's shapes, dtype, ``cu_seqlens`` (a digest), ``max_seqlen``, flags and
-    backend, and raises the same ValueError on every rank if they differ (one small collective).
+    In checked mode (see :mod:`prime_ops.groups`) every rank first compares its shapes, dtype,
+    ``cu_seqlens`` (a digest), ``max_seqlen``, flags and backend with its peers', and every rank
+    raises the same ValueError if they differ (one small collective). ``check_cu_seqlens=False``
+    skips reading ``cu_seqlens`` in the default mode (a host sync on a GPU).
 
     Example (2 ranks, 16 packed tokens in 3 sequences, 8 per rank)::
 
@@ -324,23 +324,26 @@ def ring_attention(
     """
     op = "ring_attention"
     group = resolve(group, op)
-    if softmax_scale is None:
-        softmax_scale = q.shape[-1] ** -0.5
-    args = (q, k, v, cu_seqlens, max_seqlen)
-    flags = (float(softmax_scale), float(softcap), backend)
+    flags = []
 
-    def check_locally():
-        _check(*args, *flags)
-        spans(cu_seqlens, q.shape[0] * group.size(), max_seqlen, "cu_seqlens")
+    def check_locally(read_cu_seqlens: bool) -> None:
+        scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+        flags[:] = (scale, float(softcap), backend)
+        _check(q, k, v, cu_seqlens, max_seqlen, *flags)
+        if read_cu_seqlens:
+            spans(cu_seqlens, q.shape[0] * group.size(), max_seqlen, "cu_seqlens")
 
-    if checked_mode(checked) and can_read(cu_seqlens):
+    readable = not isinstance(cu_seqlens, Tensor) or can_read(cu_seqlens)
+    if checked_mode(group) and readable:
 
         def describe():
-            check_locally()
-            return _fingerprint(*args, causal, *flags)
+            check_locally(True)
+            return _fingerprint(q, k, v, cu_seqlens, max_seqlen, causal, *flags)
 
-        agree(op, group, describe, q.device)
-    elif check_cu_seqlens and can_read(cu_seqlens):
+        agree(op, group, describe)
+    else:
         with rank_local(op, group):
-            check_locally()
-    return _ring_attention(*args, causal, *flags[:2], group.group_name, backend)
+            check_locally(check_cu_seqlens and readable)
+    return _ring_attention(
+        q, k, v, cu_seqlens, max_seqlen, causal, *flags[:2], group.group_name, backend
+    )

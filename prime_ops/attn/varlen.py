@@ -124,6 +124,10 @@ def check_arguments(
     ``grads`` is ``(dout, out, lse)`` for the backward, which checks them and the backward's own
     head-dim limits too.
     """
+    tensors = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
+    for name, t in tensors.items():
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3:
             raise ValueError(
@@ -173,8 +177,8 @@ def check_arguments(
             f"window_size entries must be >= -1 (-1: unbounded); got "
             f"({window_size_left}, {window_size_right})"
         )
-    if not softcap >= 0.0:
-        raise ValueError(f"softcap must be >= 0 (0: off); got {softcap}")
+    if not 0.0 <= softcap < math.inf:  # inf would cap nothing and give NaN (inf * tanh(0))
+        raise ValueError(f"softcap must be finite and >= 0 (0: off); got {softcap}")
     if not math.isfinite(softmax_scale):
         raise ValueError(f"softmax_scale must be finite; got {softmax_scale}")
     if grads is not None:
