@@ -17,6 +17,10 @@ These are the primitives; :func:`prime_ac.checkpoint_blocks` decides what to wra
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
+import logging
+import re
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -25,10 +29,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint
 
+from prime_ac.contexts import context_fn
 from prime_ac.policy import OperatorPolicy
-from prime_ac.scopes import untrack
+from prime_ac.scopes import retrack, untrack
 
 __all__ = [
     "BlockCheckpoint",
@@ -44,6 +50,8 @@ __all__ = [
     "wrapped_blocks",
 ]
 
+logger = logging.getLogger("prime_ac")
+
 BlockSelector = str | Sequence[str] | Callable[[str, nn.Module], bool] | None
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 _STATE = "_prime_ac"  # the attribute holding a wrapped block's BlockCheckpoint
@@ -55,7 +63,9 @@ class BlockCheckpoint:
 
     ``active=False`` makes the block run its own forward with no checkpoint (a block prime_ac
     can no longer restore to its class, and the audit's no-AC baseline). ``plan`` is the
-    :class:`prime_ac.budget.BlockPlan` of a ``targets="auto"`` block.
+    :class:`prime_ac.budget.BlockPlan` of a ``targets="auto"`` block. ``early_stop`` and
+    ``determinism_check`` go to ``torch.utils.checkpoint.checkpoint``; None leaves torch's
+    defaults (``True``, ``"default"``).
     """
 
     name: str
@@ -65,10 +75,111 @@ class BlockCheckpoint:
     plan: Any = None
     active: bool = True
     original_class: type | None = None  # filled in by wrap_block
+    early_stop: bool | None = None
+    determinism_check: str | None = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # context_fn closes over the policy, and the policy caches decisions keyed by operator
+        # objects (which do not pickle): a copy (deepcopy, pickle) rebuilds both from the
+        # settings, so a copy never reads the scope tracker of the original. A targets="auto"
+        # plan's contexts (full mode: no scopes) travel as they are.
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        policy = fields.pop("policy")
+        if type(policy) is not OperatorPolicy or self.plan is not None:
+            return (_restored_state, (policy, None, fields))
+        del fields["context_fn"]
+        settings = (policy.mode, policy.targets, policy.mandatory, policy.scoped)
+        return (_restored_state, (None, settings, fields))
 
 
-def _call(forward: Callable[..., Any], kwargs: dict, *args: Any) -> Any:
-    return forward(*args, **kwargs)
+def _restored_state(policy: Any, settings: tuple | None, fields: dict[str, Any]) -> BlockCheckpoint:
+    if settings is not None:
+        policy = OperatorPolicy(*settings)
+        fields["context_fn"] = context_fn(policy=policy, name=f"block {fields['name']!r}")
+    return BlockCheckpoint(policy=policy, **fields)
+
+
+class _Region:
+    """One checkpointed call of a block: the module state its recompute must not change.
+
+    - Buffers: a module whose buffers the forward updated in place (a version counter moved) gets
+      all its buffers copied aside before the recompute and copied back after it, in ``finally``
+      (torch's early stop leaves the recompute by an exception), so the update happens once, as
+      without checkpointing. Per module, because torch's batch-norm kernels write the running
+      statistics without moving their version counters; the module's ``num_batches_tracked``
+      moves.
+    - Tensor attributes a submodule reassigns in the forward (RecurrentGemma's
+      ``conv1d_state`` and ``recurrent_states``): the recompute runs with the values the forward
+      started from, and the attributes get back what the forward left.
+    - Per-layer state passed as a cache argument (lists, tuples or dicts of tensors: xLSTM-,
+      RWKV-style recurrent states) is copied before the forward; the recompute reads and writes
+      that copy, never the state the model has moved on since.
+
+    Copies live from the forward (state) or the start of the recompute (buffers) until the
+    recompute ends; docs/checkpointing.md, "Module state", gives what they cost.
+    """
+
+    def __init__(self, block: nn.Module, copies: dict[int | str, Any]) -> None:
+        modules = list(block.modules())
+        self.buffers = [
+            (m, [b for b in m._buffers.values() if b is not None]) for m in modules if m._buffers
+        ]
+        self.versions = [[b._version for b in buffers] for _, buffers in self.buffers]
+        self.attributes = [
+            (m.__dict__, key, value)
+            for m in modules
+            for key, value in m.__dict__.items()
+            if isinstance(value, torch.Tensor) or (value is None and not key.startswith("_"))
+        ]
+        self.updated: list[torch.Tensor] = []
+        self.moved: list[tuple[dict, str, Any, Any]] = []
+        self.copies = copies
+        self.recomputing = False
+
+    def __call__(self, forward: Callable[..., Any], kwargs: dict, *args: Any) -> Any:
+        if self.recomputing and self.copies:
+            args = tuple(self.copies.get(i, a) for i, a in enumerate(args))
+            kwargs = {k: self.copies.get(k, v) for k, v in kwargs.items()}
+        return forward(*args, **kwargs)
+
+    def forward_done(self) -> None:
+        self.updated = [
+            b
+            for (_, buffers), versions in zip(self.buffers, self.versions, strict=True)
+            if any(b._version != v for b, v in zip(buffers, versions, strict=True))
+            for b in buffers
+        ]
+        self.moved = [
+            (where, key, before, where.get(key))
+            for where, key, before in self.attributes
+            if where.get(key) is not before
+        ]
+        self.buffers = self.versions = self.attributes = ()
+
+    def context_fn(self, inner: Callable[[], tuple[Any, Any]]) -> Callable[[], tuple[Any, Any]]:
+        def contexts() -> tuple[Any, Any]:
+            forward, recompute = inner()
+            return forward, self._recompute(recompute)
+
+        return contexts
+
+    @contextmanager
+    def _recompute(self, inner: Any) -> Iterator[None]:
+        with torch.no_grad():
+            saved = [b.clone() for b in self.updated]
+        for where, key, before, _ in self.moved:
+            where[key] = before
+        self.recomputing = True
+        try:
+            with inner:
+                yield
+        finally:
+            self.recomputing = False
+            for where, key, _, after in self.moved:
+                where[key] = after
+            with torch.no_grad():
+                for buffer, value in zip(self.updated, saved, strict=True):
+                    buffer.copy_(value)
 
 
 class _CheckpointedBlock(nn.Module):
@@ -85,52 +196,139 @@ class _CheckpointedBlock(nn.Module):
                 "sharing code would share one plan). Run these blocks eagerly, or compile with "
                 "explicit targets (and torch._functorch.config.activation_memory_budget)."
             )
-        if torch.is_grad_enabled():
-            kwargs = _without_empty_kv_cache(state.name, kwargs)
+        options = {}
+        if state.early_stop is not None:
+            options["early_stop"] = state.early_stop
+        if state.determinism_check is not None:
+            options["determinism_check"] = state.determinism_check
         # kwargs travel as one value, so none of the block's own keyword arguments (use_reentrant=,
         # context_fn=, debug=, ...) can be taken for checkpoint's. Positional tensors travel as
         # checkpoint's own inputs, which it saves through the saved-tensor hooks in effect
         # (save_on_cpu offloads them); tensors inside kwargs are held by reference.
-        return checkpoint(
-            _call,
+        if not torch.is_grad_enabled():
+            return checkpoint(
+                _call,
+                super().forward,
+                kwargs,
+                *args,
+                use_reentrant=False,
+                context_fn=state.context_fn,
+                preserve_rng_state=state.preserve_rng_state,
+                **options,
+            )
+        args, kwargs, copies = _without_cache(state.name, state.original_class, args, kwargs)
+        if torch.compiler.is_compiling():  # compiled code applies buffer writes once anyway
+            region, context_fn = _call, state.context_fn
+        else:
+            region = _Region(self, copies)
+            context_fn = region.context_fn(state.context_fn)
+        out = checkpoint(
+            region,
             super().forward,
             kwargs,
             *args,
             use_reentrant=False,
-            context_fn=state.context_fn,
+            context_fn=context_fn,
             preserve_rng_state=state.preserve_rng_state,
+            **options,
         )
+        if region is not _call:
+            region.forward_done()
+        return out
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        # The wrapper class is made at run time and cannot be found by name: a pickled (or
+        # deep-copied) block names its own class, and unpickling makes the wrapper again.
+        if not can_restore_class(self):  # another wrapper swapped the class since: its rules
+            return super().__reduce_ex__(protocol)
+        return (_rewrapped, (getattr(self, _STATE).original_class,), self.__dict__)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        state = getattr(self, _STATE)
+        retrack(self, state.policy if state.active else None)  # copied scope hooks: made afresh
 
 
-# The keyword names under which transformers passes a layer its KV / state cache: ``cache`` (5.2x)
-# and the older names its own GradientCheckpointingLayer checks.
-_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past", "cache_params")
+def _rewrapped(original: type) -> nn.Module:
+    return object.__new__(_wrapper_class(original))
 
 
-def _without_empty_kv_cache(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The block's kwargs with an empty KV cache left out, or ValueError for a filled one.
+def _call(forward: Callable[..., Any], kwargs: dict, *args: Any) -> Any:
+    return forward(*args, **kwargs)
 
-    A cache the forward fills would be filled again by the recompute (entries appended twice,
-    positions shifted). An empty one (``get_seq_length() == 0``: a training call of a model left at
-    ``use_cache=True``) carries nothing the block reads, so the block runs without it, as
+
+# The names under which transformers and recurrent models pass a layer its KV / state cache:
+# ``cache`` (5.2x), the older names its own GradientCheckpointingLayer checks, and ``state``
+# (xLSTM, RWKV: per-layer recurrent state).
+_CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "layer_past", "cache_params", "state")
+
+
+@functools.cache
+def _cache_positions(cls: type) -> tuple[tuple[int, str], ...]:
+    """``(index, name)`` of the positional parameters of ``cls.forward`` named as a cache."""
+    try:
+        parameters = list(inspect.signature(cls.forward).parameters.values())[1:]  # self
+    except (TypeError, ValueError):
+        return ()
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(
+        (i, p.name)
+        for i, p in enumerate(parameters)
+        if p.kind in positional and p.name in _CACHE_NAMES
+    )
+
+
+def _is_cache_object(value: Any) -> bool:
+    return callable(getattr(type(value), "get_seq_length", None))
+
+
+def _without_cache(
+    name: str, cls: type, args: tuple, kwargs: dict[str, Any]
+) -> tuple[tuple, dict[str, Any], dict[int | str, Any]]:
+    """The block's arguments with an empty cache left out, plus copies of the per-layer states
+    its recompute must read; ValueError for a filled cache.
+
+    A cache is recognised by keyword, by position (the block's ``forward`` names the parameter
+    as one of ``_CACHE_NAMES``: RecurrentGemma passes ``cache`` positionally), or by type (an
+    object with ``get_seq_length``: any transformers ``Cache``, wherever it is passed).
+
+    A cache object the forward fills would be filled again by the recompute (entries appended
+    twice, positions shifted). An empty one (``get_seq_length() == 0``: a training call of a model
+    left at ``use_cache=True``) carries nothing the block reads, so the block runs without it, as
     transformers' own gradient checkpointing does by turning the cache off; block 0 is always
     checkpointed, so the length never counts a checkpointed block's own entries. A cache that
-    already holds entries (a prefix) would be read, so it is refused. Tensors and tuples are read,
-    never filled, so they pass.
+    already holds entries (a prefix) would be read, so it is refused. Lists, tuples and dicts of
+    tensors under a cache name are per-layer states: the recompute gets a copy of them as they
+    were before the forward (see :class:`_Region`).
     """
-    for key in _CACHE_KWARGS:
-        cache = kwargs.get(key)
-        if cache is None or isinstance(cache, (torch.Tensor, tuple)):
+    named = dict(_cache_positions(cls))
+    found: list[tuple[int | str, str, Any]] = [
+        (key, key, kwargs[key]) for key in _CACHE_NAMES if kwargs.get(key) is not None
+    ]
+    found += [
+        (i, named.get(i, f"argument {i}"), value)
+        for i, value in enumerate(args)
+        if value is not None and (i in named or _is_cache_object(value))
+    ]
+    copies: dict[int | str, Any] = {}
+    for where, key, cache in found:
+        if isinstance(cache, torch.Tensor):
             continue
-        length = getattr(cache, "get_seq_length", None)
-        if callable(length) and length() == 0:
+        if not _is_cache_object(cache):
+            if isinstance(cache, (list, tuple, dict)):
+                copies[where] = tree_map_only(torch.Tensor, _copy, cache)
+            continue
+        if cache.get_seq_length() == 0:
             warnings.warn(
                 f"prime_ac: checkpointed block {name!r} runs without its empty {key} "
                 f"({type(cache).__name__}) in training, as transformers' gradient checkpointing "
                 "does; pass use_cache=False to the model to silence this",
-                stacklevel=3,
+                stacklevel=4,
             )
-            kwargs = {**kwargs, key: None}
+            if isinstance(where, int):
+                args = (*args[:where], None, *args[where + 1 :])
+            else:
+                kwargs = {**kwargs, key: None}
             continue
         raise ValueError(
             f"prime_ac: checkpointed block {name!r} got {key}={type(cache).__name__} with "
@@ -140,11 +338,17 @@ def _without_empty_kv_cache(name: str, kwargs: dict[str, Any]) -> dict[str, Any]
             "model.config.use_cache = False), or call the model under torch.no_grad() for "
             "generation."
         )
-    return kwargs
+    return args, kwargs, copies
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return t.detach().clone()
 
 
 # One wrapper class per block class, created once and reused so that blocks of one class share
-# a class (isinstance, torch.compile's guards, pickling by reference): a cache, not a registry.
+# a class (isinstance, torch.compile's guards): a cache, not a registry. Pickles name the
+# block's own class (``_CheckpointedBlock.__reduce_ex__``), never the wrapper.
 _wrapper_classes: dict[type, type] = {}
 
 
@@ -316,8 +520,10 @@ def find_blocks(
 
     Each group is one container (``freq`` counts indices within it); a predicate gives one
     group. ``blocks=None`` discovers the stacks: the outermost ModuleList / ModuleDict /
-    Sequential containers whose children all have submodules (docs/checkpointing.md,
-    "Discovery"). Raises ValueError when the selection is empty.
+    Sequential containers whose children all have submodules, without helper stacks of
+    per-token MLPs beside stacks of blocks that hold attention, a mixer or a convolution
+    (docs/checkpointing.md, "Discovery"; the stacks left out are logged at INFO). Raises
+    ValueError when the selection is empty.
 
     Example::
 
@@ -326,7 +532,14 @@ def find_blocks(
     """
     if blocks is None:
         return _discover(model)
+    if isinstance(blocks, nn.Module):
+        raise TypeError(
+            f"blocks= takes where the blocks are, not a module: got {type(blocks).__name__}. "
+            "Pass the container's path (blocks='model.layers'), a list of paths, or a predicate "
+            "(blocks=lambda name, module: module is my_block)"
+        )
     if callable(blocks) and not isinstance(blocks, str):
+        _check_predicate(blocks)
         group = list(_walk(model, "", blocks))
         if not group:
             raise ValueError(
@@ -351,6 +564,20 @@ def find_blocks(
             "checkpointing."
         )
     return [_container_group(model, path) for path in paths]
+
+
+def _check_predicate(predicate: Callable[..., Any]) -> None:
+    try:
+        signature = inspect.signature(predicate)
+    except (TypeError, ValueError):  # a builtin without a signature: called as given
+        return
+    try:
+        signature.bind("name", None)
+    except TypeError:
+        raise TypeError(
+            f"blocks={predicate!r} must take two arguments, (qualified_name, module), and "
+            f"takes {signature}: write blocks=lambda name, module: ..."
+        ) from None
 
 
 def _discover(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
@@ -383,7 +610,7 @@ def _discover(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
     # a list of one-layer wrappers (HiDream's caption projections) is no stack of blocks when
     # real blocks, holding several layers each, exist elsewhere
     blocks = [(p, s) for p, s in stacks if all(_submodules(c) >= 2 for c in s.children())]
-    stacks = blocks or stacks
+    stacks = _without_helper_stacks(blocks or stacks)
     # Stacks inside two or more children of one container that is not a stack itself (blocks
     # mixed with an embedding in one Sequential): those children may be the blocks, and the
     # stacks their expert lists. Undecidable from structure alone.
@@ -407,7 +634,57 @@ def _discover(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
             f"the children themselves, e.g. blocks=lambda name, module: isinstance(module, "
             f"{type(model.get_submodule(min(names))).__name__}), or the inner stacks by path."
         )
-    return [_named_children(stack, path) for path, stack in stacks]
+    # a block shared by two stacks (one layer registered in an encoder and a decoder list) is
+    # one block, under its first path, as named_modules() names it
+    taken: set[int] = set()
+    groups = []
+    for path, stack in stacks:
+        group = [(n, b) for n, b in _named_children(stack, path) if id(b) not in taken]
+        taken.update(id(b) for _, b in group)
+        if group:
+            groups.append(group)
+    return groups
+
+
+# Class names of modules that mix tokens (attention, state-space and recurrent mixers,
+# convolutions); torch's own such modules are recognised by type.
+_MIXER_NAMES = re.compile(r"attention|attn|mixer|mamba|conv|ssm|lstm|rnn|recurren|retention", re.I)
+_MIXER_TYPES = (nn.MultiheadAttention, nn.modules.conv._ConvNd, nn.RNNBase)
+
+
+def _mixes_tokens(block: nn.Module) -> bool:
+    """Whether ``block`` holds attention, a mixer, a recurrence or a convolution."""
+    return any(
+        isinstance(m, _MIXER_TYPES) or _MIXER_NAMES.search(type(m).__name__)
+        for m in block.modules()
+    )
+
+
+def _parameters(block: nn.Module) -> int:
+    return sum(p.numel() for p in block.parameters())
+
+
+def _without_helper_stacks(stacks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The stacks without helper stacks: stacks none of whose blocks mixes tokens (per-token
+    MLPs: Chroma's guidance approximator, Qwen3-VL's deepstack mergers), beside stacks whose
+    blocks do, unless their largest block is as large as the largest of those."""
+    mixing = [s for _, s in stacks if any(_mixes_tokens(c) for c in s.children())]
+    if not mixing:
+        return stacks
+    largest = max(_parameters(c) for s in mixing for c in s.children())
+    kept = []
+    for path, stack in stacks:
+        if any(s is stack for s in mixing) or max(map(_parameters, stack.children())) >= largest:
+            kept.append((path, stack))
+        else:
+            logger.info(
+                "prime_ac discovery: %s is not a stack of blocks: no block of it holds "
+                "attention, a mixer or a convolution, and each is smaller than the largest "
+                "block of the other stacks (%d parameters); pass blocks= to checkpoint it",
+                path,
+                largest,
+            )
+    return kept
 
 
 def _container_group(model: nn.Module, path: Any) -> list[tuple[str, nn.Module]]:

@@ -40,6 +40,7 @@ __all__ = [
     "ScopeTracker",
     "ScopedTarget",
     "parse_target",
+    "retrack",
     "scope_problems",
     "split_targets",
     "tag",
@@ -275,8 +276,8 @@ class ScopeTracker:
             sid = self.scope_id(path)
             keys.append(str(id(module)))
             self._modules[keys[-1]] = sid
-            handles.append(module.register_forward_pre_hook(self._enter(sid)))
-            handles.append(module.register_forward_hook(self._exit, always_call=True))
+            handles.append(module.register_forward_pre_hook(_Enter(self, sid)))
+            handles.append(module.register_forward_hook(_Exit(self), always_call=True))
         self._handles[block] = (handles, keys)
 
     def untrack(self, block: nn.Module) -> None:
@@ -303,20 +304,42 @@ class ScopeTracker:
             for block in added:
                 self.untrack(block)
 
-    # Traced code skips the hooks: dynamo refuses a checkpointed region that mutates state from
-    # outside it (a graph break), and the traced policy reads the node's module stack anyway.
-    def _enter(self, sid: int):
-        push = self.stack.append
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A copy (deepcopy, pickle) of a tracked model starts afresh: its own stack, no hooks
+        # (the copied blocks install theirs again: :func:`retrack`).
+        return (ScopeTracker, (self.scopes,))
 
-        def enter(module: nn.Module, args: Any) -> None:
-            if not _is_compiling():
-                push(sid)
 
-        return enter
+# Traced code skips the hooks: dynamo refuses a checkpointed region that mutates state from
+# outside it (a graph break), and the traced policy reads the node's module stack anyway.
+# Objects, not closures, so that a copied hook still names a tracker (a copy of it), and
+# :func:`retrack` can tell prime_ac's hooks from the model's own.
+class _Enter:
+    __slots__ = ("push", "sid", "tracker")
 
-    def _exit(self, module: nn.Module, args: Any, out: Any) -> None:
+    def __init__(self, tracker: ScopeTracker, sid: int) -> None:
+        self.tracker, self.sid, self.push = tracker, sid, tracker.stack.append
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
         if not _is_compiling():
-            self.stack.pop()
+            self.push(self.sid)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Enter, (self.tracker, self.sid))
+
+
+class _Exit:
+    __slots__ = ("pop", "tracker")
+
+    def __init__(self, tracker: ScopeTracker) -> None:
+        self.tracker, self.pop = tracker, tracker.stack.pop
+
+    def __call__(self, module: nn.Module, args: Any, out: Any) -> None:
+        if not _is_compiling():
+            self.pop()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Exit, (self.tracker,))
 
 
 # Every tracker that may hold hooks, so that re-configuring or unwrapping a block removes the
@@ -329,6 +352,19 @@ def untrack(block: nn.Module) -> None:
     """Remove every scope hook prime_ac installed on ``block``."""
     for tracker in list(_trackers):
         tracker.untrack(block)
+
+
+def retrack(block: nn.Module, policy: Any) -> None:
+    """After a copy (deepcopy, unpickling) of ``block``: drop the scope hooks copied with its
+    submodules, which no tracker knows, and install ``policy``'s (a policy or None) afresh."""
+    for module in block.modules():
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):
+            for key in [k for k, hook in hooks.items() if isinstance(hook, (_Enter, _Exit))]:
+                del hooks[key]
+                module._forward_hooks_always_called.pop(key, None)
+    scoped = getattr(policy, "scoped", None)
+    if scoped is not None and scoped.needs_scope:
+        scoped.tracker.track(block)
 
 
 # --- decisions ----------------------------------------------------------------------------------
@@ -350,6 +386,10 @@ class ScopeRules:
         _trackers.add(self.tracker)
         self._decisions: dict[tuple[int, str | None, int], bool] = {}
         _name_tags(self.targets)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # decisions are keyed by id(operator), and the tracker holds hooks: a copy starts afresh
+        return (ScopeRules, (self.targets, self.plain))
 
     def involves(self, key: tuple[str, str, str | None]) -> bool:
         """Whether calls of operator ``key`` are decided per call (scope or tag)."""

@@ -311,16 +311,25 @@ class CachedModel(nn.Module):
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
-def test_a_cache_filled_in_training_is_refused_up_front(mode):
-    model, x = CachedModel(), torch.randn(3, 4)
+def test_a_list_cache_is_filled_once_and_the_recompute_reads_it_as_the_forward_did(mode):
+    """A list (per-layer state, not a transformers Cache) is copied for the recompute: the forward
+    appends to the model's list once, the recompute reads and appends to its copy."""
+    torch.manual_seed(0)
+    plain, x = CachedModel(), torch.randn(3, 4)
+    model = copy.deepcopy(plain)
     prime_ac.checkpoint_blocks(model, mode=mode)
-    caches = [[], []]
-    with pytest.raises(ValueError, match=r"'layers.0' got cache=list.*use_cache=False"):
-        model(x, caches)
-    assert caches == [[], []]  # refused before the block ran
+    prefix = torch.randn(2, 4)
+    expected, caches = [[prefix], []], [[prefix], []]
+    plain(x, expected).backward()
+    model(x, caches).backward()
+    assert [len(cache) for cache in caches] == [2, 1]
+    for cache, reference in zip(caches, expected, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(cache, reference, strict=True))
+    for p, q in zip(plain.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
     with torch.no_grad():  # generation: nothing is recomputed
         model(x, caches)
-    model(x, [None, None]).backward()  # no cache: trains
+    assert [len(cache) for cache in caches] == [3, 2]
 
 
 class EmptyOrFilledCache(list):
