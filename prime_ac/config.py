@@ -9,9 +9,10 @@ from typing import Any
 
 from prime_ac.scopes import parse_target
 
-__all__ = ["ACConfig", "check_budget"]
+__all__ = ["ACConfig", "check_budget", "check_checkpoint_options"]
 
 _MODES = ("full", "selective")
+_DETERMINISM_CHECKS = ("default", "none")
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,8 @@ class ACConfig:
     ``targets``); ``freq=k`` checkpoints every k-th block; ``targets=None`` means the defaults;
     ``targets="auto"`` with ``budget`` (bytes per block, a fraction of the no-AC activation
     memory, or ``{block name: bytes}``) lets prime_ac choose from a profiled step.
+    ``early_stop`` and ``determinism_check`` go to each region's
+    ``torch.utils.checkpoint.checkpoint`` call (torch's defaults).
 
     Example (TOML)::
 
@@ -35,8 +38,11 @@ class ACConfig:
     freq: int = 1
     targets: tuple[str, ...] | str | None = None
     budget: int | float | Mapping[str, int] | None = None
+    early_stop: bool = True
+    determinism_check: str = "default"
 
     def __post_init__(self) -> None:
+        check_checkpoint_options(self.early_stop, self.determinism_check)
         if self.mode not in _MODES:
             raise ValueError(
                 f"mode={self.mode!r} is not a checkpoint mode: use one of {list(_MODES)}"
@@ -83,6 +89,20 @@ class ACConfig:
                 f"unknown activation-checkpointing key(s) {unknown}: accepted keys are {sorted(known)}"
             )
         return cls(**table)
+
+
+def check_checkpoint_options(early_stop: Any, determinism_check: Any) -> None:
+    """Raise ValueError unless the options are ones ``torch.utils.checkpoint`` takes."""
+    if not isinstance(early_stop, bool):
+        raise ValueError(
+            f"early_stop={early_stop!r} must be True (stop the recompute once every saved "
+            "tensor is back, torch's default) or False"
+        )
+    if determinism_check not in _DETERMINISM_CHECKS:
+        raise ValueError(
+            f"determinism_check={determinism_check!r} must be one of {list(_DETERMINISM_CHECKS)}: "
+            '"default" compares the shape, dtype and device of recomputed tensors, "none" skips it'
+        )
 
 
 def check_budget(budget: Any) -> None:
