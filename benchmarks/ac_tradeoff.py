@@ -6,13 +6,13 @@ several budgets, one run prints:
 
 - kept: bytes alive between forward and backward, relative to no AC (deterministic)
 - replayed: forward FLOPs the backward re-executes, relative to one forward (deterministic)
-- step: eager training-step time relative to no AC (median of 5 after a warm-up; noisy on shared
-  machines, and the only column that is)
 
-then checks the budget policy against the torchtitan rule (Pareto dominance, from the two
+Both columns are deterministic: no timing here (a wall-clock step column, taken one policy after
+another on a shared machine, was noise; benchmarks/eager_overhead.py times steps interleaved on
+one thread). Each model's table is printed as soon as it is measured. Then it checks the budget policy against the torchtitan rule (Pareto dominance, from the two
 deterministic columns only) and times the policy's per-operator decision. ``--json`` prints the
-results as JSON only. tests/test_ac_audit.py runs ``measure(..., timed=False)`` on the smallest
-models that show the dominance.
+results as JSON only. tests/test_ac_audit.py runs ``measure`` on the smallest models that show
+the dominance.
 
     python benchmarks/ac_tradeoff.py [--json] [--quick]
 """
@@ -23,8 +23,6 @@ import argparse
 import copy
 import dataclasses
 import json
-import statistics
-import time
 import timeit
 
 import torch
@@ -84,18 +82,8 @@ def apply_policy(model, name, loss, budget=None):
         prime_ac.checkpoint_blocks(model, mode=name)
 
 
-def step_time(model, loss, repeats=5):
-    times = []
-    for _ in range(repeats + 1):  # the first run warms up
-        model.zero_grad(set_to_none=True)
-        start = time.perf_counter()
-        loss(model).backward()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
-
-
-def measure(kind, overrides, budgets, seq_len, batch=4, timed=True):
-    """One row per policy; ``timed=False`` leaves out the step times (deterministic rows only)."""
+def measure(kind, overrides, budgets, seq_len, batch=4):
+    """One row per policy: kept bytes and replayed FLOPs, both from the audit."""
     base = build_model(kind, **overrides)
     tokens = torch.randint(
         0, base.cfg.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0)
@@ -126,8 +114,6 @@ def measure(kind, overrides, budgets, seq_len, batch=4, timed=True):
             "replayed_ratio": replayed / report.forward_flops,
             "block_kept_bytes": report.block_kept_bytes() if name != "none" else None,
         }
-        if timed:
-            row["step_s"] = step_time(model, loss)
         rows.append(row)
         return row
 
@@ -138,9 +124,6 @@ def measure(kind, overrides, budgets, seq_len, batch=4, timed=True):
     for fraction in budgets:
         run(f"budget {fraction:g}", fraction)
     run("budget = torchtitan bytes", anchor["block_kept_bytes"])
-    if timed:
-        for row in rows:
-            row["step_ratio"] = row["step_s"] / rows[0]["step_s"]
     return rows
 
 
@@ -213,7 +196,10 @@ def main() -> None:
     for kind in ("dense", "moe"):
         for size, overrides in sizes.items():
             rows = measure(kind, overrides, budgets, seq_len=128)
-            results[f"{kind}/{size}"] = {"rows": rows, "pareto": pareto_check(rows)}
+            name = f"{kind}/{size}"
+            results[name] = {"rows": rows, "pareto": pareto_check(rows)}
+            if not args.json:
+                _print_table(name, results[name])
     cost, scoped_cost = decision_cost_ns(), decision_cost_ns(SCOPED_TARGETS)
     if args.json:
         print(
@@ -227,21 +213,21 @@ def main() -> None:
             )
         )
         return
-    for name, result in results.items():
-        print(f"\n{name}: kept bytes vs no AC, replayed FLOPs vs one forward, step time vs no AC")
-        print(f"{'policy':<28} {'kept':>8} {'replayed':>9} {'step':>7}")
-        for r in result["rows"]:
-            print(
-                f"{r['policy']:<28} {r['kept_ratio']:>8.1%} {r['replayed_ratio']:>9.1%} "
-                f"{r['step_ratio']:>6.2f}x"
-            )
-        p = result["pareto"]
-        print(
-            f"budget policy dominates torchtitan rule: {p['dominated']}, strictly: "
-            f"{p['strictly']} ({p['witness']})"
-        )
     print(f"\npolicy decision cost: {cost:.0f} ns per operator after warm-up")
     print(f"with scoped matmul targets: {scoped_cost:.0f} ns per operator")
+
+
+def _print_table(name, result):
+    print(f"\n{name}: kept bytes vs no AC, replayed FLOPs vs one forward", flush=True)
+    print(f"{'policy':<28} {'kept':>8} {'replayed':>9}")
+    for r in result["rows"]:
+        print(f"{r['policy']:<28} {r['kept_ratio']:>8.1%} {r['replayed_ratio']:>9.1%}")
+    p = result["pareto"]
+    print(
+        f"budget policy dominates torchtitan rule: {p['dominated']}, strictly: "
+        f"{p['strictly']} ({p['witness']})",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

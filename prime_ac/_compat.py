@@ -25,6 +25,7 @@ __all__ = [
     "SAC_IGNORED_OPS",
     "DispatchMode",
     "HigherOrderOperator",
+    "INDUCTOR_COMPILED_CODE",
     "OpOverload",
     "TorchDispatchMode",
     "detach",
@@ -258,12 +259,12 @@ def sac_hops() -> list[Any]:
 # (pytorch gh-175258). The higher-order operator and its side table live in
 # torch._higher_order_ops.wrap (2.13-2.14; absent before). Public replacement: none.
 _wrap = getattr(getattr(torch, "_higher_order_ops", None), "wrap", None)
-_INDUCTOR_COMPILED_CODE = getattr(_wrap, "inductor_compiled_code", None)
+INDUCTOR_COMPILED_CODE = getattr(_wrap, "inductor_compiled_code", None)
 _resolve_inductor_callable = getattr(_wrap, "_resolve_inductor_callable", None)
 
 
 def storage_key(op: Any, args: tuple) -> Any:
     """The key a kept call of ``op`` is stored under: ``op``, or ``(op, compiled region id)``."""
-    if op is _INDUCTOR_COMPILED_CODE and args and _resolve_inductor_callable is not None:
+    if op is INDUCTOR_COMPILED_CODE and args and _resolve_inductor_callable is not None:
         return (op, _resolve_inductor_callable(args[0]).idx)
     return op

@@ -13,11 +13,12 @@ import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from prime_ac import _compat
 from prime_ac.modes import KeepMode, ReplayMode, Rules
-from prime_ac.policy import Mode, OperatorPolicy, make_policy
+from prime_ac.policy import Mode, OperatorPolicy, make_policy, target_list
 from prime_ac.store import KeptOutputMutatedError, RegionStore, ReplayMismatchError
 
 __all__ = [
@@ -83,10 +84,28 @@ def context_fn(
         out = checkpoint(block, x, use_reentrant=False, context_fn=prime_ac.context_fn("selective"))
         out.sum().backward()
     """
-    policy = make_policy(mode, targets, mandatory) if policy is None else policy
-    if not callable(policy):
-        raise TypeError(
-            f"policy={policy!r} is not callable: pass prime_ac.make_policy(...) or a function "
-            "(ctx, op, *args, **kwargs) -> torch.utils.checkpoint.CheckpointPolicy"
-        )
-    return checkpoint_contexts(Rules(policy), name)
+    if policy is not None:
+        if not callable(policy):
+            raise TypeError(
+                f"policy={policy!r} is not callable: pass prime_ac.make_policy(...) or a function "
+                "(ctx, op, *args, **kwargs) -> torch.utils.checkpoint.CheckpointPolicy"
+            )
+        return checkpoint_contexts(Rules(policy), name)
+    targets = None if targets is None else tuple(target_list("targets", targets))
+    mandatory = () if mandatory is None else tuple(target_list("mandatory", mandatory))
+    if not torch.compiler.is_compiling():
+        _rules_for(mode, targets, mandatory)  # bad settings raise here, not in the forward
+    # Only constants in the partial: torch.compile traces a context_fn built inside a compiled
+    # function, and takes a checkpoint's context_fn only as a Python constant.
+    return functools.partial(_named_contexts, mode, targets, mandatory, name)
+
+
+@functools.lru_cache(maxsize=None)
+def _rules_for(mode: str, targets: tuple | None, mandatory: tuple) -> Rules:
+    """One :class:`Rules` per setting, shared by the regions of every context_fn with it (the
+    rules are a pure function of the setting; sharing them decides each overload once)."""
+    return Rules(make_policy(mode, targets, mandatory))
+
+
+def _named_contexts(mode: str, targets: tuple | None, mandatory: tuple, name: str):
+    return region_contexts(_rules_for(mode, targets, mandatory), name)

@@ -33,6 +33,8 @@ from prime_ac.store import RegionStore, input_shapes
 __all__ = ["KeepMode", "ReplayMode", "Rules"]
 
 _IGNORE, _REPLAY = Action.IGNORE, Action.REPLAY
+_INDUCTOR_COMPILED_CODE = _compat.INDUCTOR_COMPILED_CODE
+_PER_CALL = frozenset({Action.PLANNED, Action.SCOPED, Action.ASK})
 _set_eval_frame = _compat.set_eval_frame
 _SAVES = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE, True)
 
@@ -110,22 +112,25 @@ class KeepMode(_RegionMode):
                 return out
             if action is Action.HOST_SYNC and not reads_device_into_host(func, args, kwargs):
                 return out
-            key = _compat.storage_key(func, args)
-            index = store.next_forward_call(key)
-            if action is Action.PLANNED:
-                if index not in self.rules.plan[func]:
-                    return out
-            elif action is Action.SCOPED:
-                if not self.rules.policy.scoped.keeps_here(func, args):
-                    return out
-            elif action is Action.ASK:
-                ctx = _compat.sac_context(out)
-                if self.rules.policy(ctx, func, *args, **kwargs) not in _SAVES:
-                    return out
+            key = func if func is not _INDUCTOR_COMPILED_CODE else _compat.storage_key(func, args)
+            calls = store.forward_calls
+            index = calls.get(key, 0)
+            calls[key] = index + 1
+            if action in _PER_CALL and not self._keeps_call(action, func, index, args, kwargs, out):
+                return out
             store.keep(key, index, out, input_shapes(args, kwargs))
             return out
         finally:
             _set_eval_frame(prior)
+
+    def _keeps_call(self, action: Action, func, index: int, args, kwargs, out) -> bool:
+        """For actions decided per call: whether this call is kept."""
+        if action is Action.PLANNED:
+            return index in self.rules.plan[func]
+        if action is Action.SCOPED:
+            return self.rules.policy.scoped.keeps_here(func, args)
+        ctx = _compat.sac_context(out)  # Action.ASK
+        return self.rules.policy(ctx, func, *args, **kwargs) in _SAVES
 
     def __exit__(self, *exc: Any):
         self.store.forward_done()
@@ -152,7 +157,8 @@ class ReplayMode(_RegionMode):
                 return func(*args, **kwargs)
             if action is Action.HOST_SYNC and not reads_device_into_host(func, args, kwargs):
                 return func(*args, **kwargs)
-            out = self.store.take(_compat.storage_key(func, args), args, kwargs)
+            key = func if func is not _INDUCTOR_COMPILED_CODE else _compat.storage_key(func, args)
+            out = self.store.take(key, args, kwargs)
             return func(*args, **kwargs) if out is NotImplemented else out
         finally:
             _set_eval_frame(prior)

@@ -44,17 +44,19 @@ class KeptResult:
     __slots__ = ("inputs", "spec", "tensors", "versions")
 
     def __init__(self, out: Any, inputs: tuple):
+        self.inputs = inputs
         if isinstance(out, torch.Tensor):
-            leaves, self.spec = [out], None
-        elif type(out) is tuple and all(isinstance(x, torch.Tensor) for x in out):
-            leaves, self.spec = list(out), tuple  # most multi-output operators: no tree spec
+            t = _compat.detach(out)
+            self.tensors, self.spec, self.versions = [t], None, [t._version]
+            return
+        if type(out) is tuple and all(isinstance(x, torch.Tensor) for x in out):
+            leaves, self.spec = out, tuple  # most multi-output operators: no tree spec
         else:
             leaves, self.spec = _compat.tree_flatten(out)
         self.tensors = [_compat.detach(x) if isinstance(x, torch.Tensor) else x for x in leaves]
         self.versions = [
             _compat.version(x) if isinstance(x, torch.Tensor) else None for x in self.tensors
         ]
-        self.inputs = inputs
 
     def value(self) -> Any:
         if self.spec is None:
@@ -64,6 +66,8 @@ class KeptResult:
         return _compat.tree_unflatten(self.tensors, self.spec)
 
     def mutated(self) -> bool:
+        if self.spec is None:
+            return self.tensors[0]._version != self.versions[0]
         return any(
             seen is not None and _compat.version(t) != seen
             for t, seen in zip(self.tensors, self.versions, strict=True)
@@ -73,11 +77,11 @@ class KeptResult:
 _CONSUMED = object()  # a kept result already handed to a recompute
 
 
-def input_shapes(args: tuple, kwargs: dict) -> tuple:
+def input_shapes(args: tuple, kwargs: dict) -> list:
     """The shapes of a call's top-level tensor arguments: what a replayed call must match."""
-    shapes = tuple(a.shape for a in args if isinstance(a, torch.Tensor))
+    shapes = [a.shape for a in args if isinstance(a, torch.Tensor)]
     if kwargs:
-        shapes += tuple(v.shape for v in kwargs.values() if isinstance(v, torch.Tensor))
+        shapes += [v.shape for v in kwargs.values() if isinstance(v, torch.Tensor)]
     return shapes
 
 
@@ -123,14 +127,12 @@ class RegionStore:
 
     # --- forward ------------------------------------------------------------------------------
 
-    def next_forward_call(self, op: Any) -> int:
-        index = self.forward_calls.get(op, 0)
-        self.forward_calls[op] = index + 1
-        return index
-
-    def keep(self, op: Any, index: int, out: Any, inputs: tuple) -> None:
+    def keep(self, op: Any, index: int, out: Any, inputs: list) -> None:
         kept = KeptResult(out, inputs)
-        self.entries.setdefault(op, {})[index] = kept
+        entries = self.entries.get(op)
+        if entries is None:
+            entries = self.entries[op] = {}
+        entries[index] = kept
         self.stored += 1
         for t in kept.tensors:
             if isinstance(t, torch.Tensor):
@@ -139,7 +141,11 @@ class RegionStore:
     def _hold(self, t: torch.Tensor, op: Any, index: int) -> None:
         sid = _compat.storage_id(t)
         if sid is not None:
-            self.held.setdefault(sid, []).append((op, index))
+            held = self.held.get(sid)
+            if held is None:
+                self.held[sid] = [(op, index)]
+            else:
+                held.append((op, index))
 
     def copy_before_write(self, tensors: Iterable[torch.Tensor]) -> None:
         """Replace every kept result sharing a storage with ``tensors`` by a copy of it."""
@@ -175,11 +181,11 @@ class RegionStore:
     def take(self, op: Any, args: tuple, kwargs: dict) -> Any:
         """The kept result for this recompute call of ``op``, or NotImplemented when the call
         runs; raises when the call does not fit what the forward kept."""
-        index = self.replay_calls.get(op, 0)
-        self.replay_calls[op] = index + 1
         kept = self.entries.get(op)
         if kept is None:  # this operator kept nothing here: an extra call changes nothing
             return NotImplemented
+        index = self.replay_calls.get(op, 0)
+        self.replay_calls[op] = index + 1
         entry = kept.get(index)
         if entry is None:
             if index < self.forward_calls.get(op, 0):  # a call the forward left to replay
@@ -193,7 +199,7 @@ class RegionStore:
                 "per forward (as torch's own does); use mode='full' with no kept operators, or "
                 "run the forward again."
             )
-        if input_shapes(args, kwargs) != entry.inputs:
+        if input_shapes(args, kwargs) != entry.inputs:  # an extra call, before the kept ones
             raise self._mismatch(
                 op,
                 index,
@@ -211,7 +217,7 @@ class RegionStore:
             )
         kept[index] = _CONSUMED
         self.hits += 1
-        return entry.value()
+        return entry.tensors[0] if entry.spec is None else entry.value()
 
     def _mismatch(self, op: Any, index: int, detail: str) -> ReplayMismatchError:
         return ReplayMismatchError(

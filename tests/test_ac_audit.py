@@ -212,7 +212,7 @@ def test_tradeoff_benchmark_budget_policy_dominates_the_torchtitan_rule(kind):
     # The benchmark's own code, in-process, untimed, on one block and 16 tokens: the smallest
     # model where the budget policy still strictly dominates torchtitan's rule.
     bench = _tradeoff_benchmark()
-    rows = bench.measure(kind, {"n_layers": 1}, (0.2, 0.5), seq_len=16, batch=1, timed=False)
+    rows = bench.measure(kind, {"n_layers": 1}, (0.2, 0.5), seq_len=16, batch=1)
     by_policy = {r["policy"]: r for r in rows}
     pareto = bench.pareto_check(rows)
     assert pareto["dominated"] and pareto["strictly"], pareto
