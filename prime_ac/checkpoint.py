@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -52,6 +54,8 @@ def checkpoint_blocks(
     config: ACConfig | None = None,
     budget: int | float | Mapping[str, int] | None = None,
     profile: Callable[[nn.Module], torch.Tensor] | None = None,
+    early_stop: bool | None = None,
+    determinism_check: str | None = None,
 ) -> list[str]:
     """Wrap each selected block of ``model`` in its own non-reentrant checkpoint region.
 
@@ -72,6 +76,13 @@ def checkpoint_blocks(
     ``{block name: bytes}`` mapping), measured on one step ``profile(model)`` that returns a
     loss (see :mod:`prime_ac.budget`).
 
+    ``early_stop`` and ``determinism_check`` go to each region's
+    ``torch.utils.checkpoint.checkpoint`` call (None: torch's defaults, ``True`` and
+    ``"default"``; or set them in ``config``).
+
+    Blocks already checkpointed by ``torch.distributed``'s ``CheckpointWrapper`` are refused;
+    a Hugging Face model with its own gradient checkpointing on gets a warning.
+
     Example::
 
         import prime_ac
@@ -82,7 +93,15 @@ def checkpoint_blocks(
             f"model must be a torch.nn.Module, got {type(model).__name__}: pass the model whose "
             "blocks to checkpoint"
         )
-    config = _settings(config, mode=mode, freq=freq, targets=targets, budget=budget)
+    config = _settings(
+        config,
+        mode=mode,
+        freq=freq,
+        targets=targets,
+        budget=budget,
+        early_stop=early_stop,
+        determinism_check=determinism_check,
+    )
     auto = config.targets == "auto"
     _check_profile(profile, auto)
     # auto profiles with nothing but the mandatory set kept, then plans on top of full mode
@@ -102,7 +121,9 @@ def checkpoint_blocks(
         for index, (name, block) in enumerate(group)
         if index % config.freq == 0
     ]
-    _check_not_nested(selected)
+    _check_not_nested(selected, "blocks=" if blocks is not None else "discovery")
+    _check_no_checkpoint_wrapper(model, selected)
+    _warn_on_own_checkpointing(model)
     if policy.scoped is not None:
         _report(scope_problems(policy.scoped.targets, [block for _, block in selected]), strict)
     if auto and isinstance(config.budget, Mapping):
@@ -118,6 +139,8 @@ def checkpoint_blocks(
                     policy=policy,
                     context_fn=context_fn(policy=policy, name=f"block {name!r}"),
                     preserve_rng_state=preserve_rng_state,
+                    early_stop=config.early_stop,
+                    determinism_check=config.determinism_check,
                 ),
             )
         # blocks leaving: switched off first (reversible), unwrapped once nothing can fail
@@ -153,12 +176,9 @@ def _install_scope_hooks(model: nn.Module, policy: Any) -> None:
 
 def _settings(config: Any, **explicit: Any) -> ACConfig:
     if config is None:
-        mode, freq = explicit["mode"], explicit["freq"]
+        defaults = {"mode": "full", "freq": 1, "early_stop": True, "determinism_check": "default"}
         return ACConfig(
-            mode="full" if mode is None else mode,
-            freq=1 if freq is None else freq,
-            targets=explicit["targets"],
-            budget=explicit["budget"],
+            **{k: defaults[k] if v is None and k in defaults else v for k, v in explicit.items()}
         )
     if isinstance(config, Mapping):
         raise TypeError(
@@ -210,19 +230,70 @@ def _describe(value: Any) -> str:
     return f"{type(value).__name__} {value!r}"[:200]
 
 
-def _check_not_nested(selected: list[tuple[str, nn.Module]]) -> None:
+def _check_not_nested(selected: list[tuple[str, nn.Module]], source: str) -> None:
     names: dict[int, str] = {}
     for name, block in selected:
         if id(block) in names:
-            raise ValueError(f"blocks= selects {name!r} twice (also as {names[id(block)]!r})")
+            raise ValueError(f"{source} selects {name!r} twice (also as {names[id(block)]!r})")
         names[id(block)] = name
     for name, block in selected:
         for inner in block.modules():
             if inner is not block and id(inner) in names:
                 raise ValueError(
-                    f"blocks= selects {names[id(inner)]!r} inside the selected block {name!r}: "
-                    "checkpoint regions cannot nest. Select one level."
+                    f"{source} selects {names[id(inner)]!r} inside the selected block {name!r}: "
+                    "checkpoint regions cannot nest. Pass blocks= to select one level."
                 )
+
+
+_CHECKPOINT_WRAPPER = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
+
+
+def _check_no_checkpoint_wrapper(model: nn.Module, selected: list[tuple[str, nn.Module]]) -> None:
+    """Refuse blocks inside, around or being a ``CheckpointWrapper`` (torchtitan's ``apply_ac``,
+    FSDP1 recipes): the regions would nest, replaying every operator twice. Refused, not
+    unwrapped: unwrapping another library's wrapper changes the model's state-dict keys
+    (``_checkpoint_wrapped_module.``) under the code that saves and loads them."""
+    module = sys.modules.get(_CHECKPOINT_WRAPPER)  # never imported: no module can be one
+    if module is None:
+        return
+    wrappers = [(n, m) for n, m in model.named_modules() if isinstance(m, module.CheckpointWrapper)]
+    covered = {id(m): name for name, wrapper in wrappers for m in wrapper.modules()}
+    clashes = []
+    for name, block in selected:  # the block is or sits inside a wrapper, or holds one
+        wrapper = covered.get(id(block)) or next(
+            (n for n, w in wrappers if any(m is w for m in block.modules())), None
+        )
+        if wrapper is not None:
+            clashes.append(f"{name!r} (CheckpointWrapper {wrapper!r})")
+    if clashes:
+        raise ValueError(
+            f"checkpoint_blocks: {len(clashes)} selected block(s) are already checkpointed by "
+            f"torch.distributed's CheckpointWrapper: {', '.join(clashes[:4])}. Two checkpoint "
+            "layers would nest and replay every operator twice. Build the model without it "
+            "(torchtitan: activation_checkpoint.mode='none', then prime_ac), or keep the "
+            "CheckpointWrapper and leave these blocks out of blocks=."
+        )
+
+
+def _warn_on_own_checkpointing(model: nn.Module) -> None:
+    """Warn once per call when Hugging Face's own gradient checkpointing is on (transformers'
+    ``is_gradient_checkpointing``, or a module's ``gradient_checkpointing`` flag as
+    GradientCheckpointingLayer and diffusers set it): its regions would wrap prime_ac's."""
+    on = [
+        name or "<root>"
+        for name, m in model.named_modules()
+        if getattr(m, "gradient_checkpointing", False) is True
+    ]
+    if getattr(model, "is_gradient_checkpointing", False) is True or on:
+        shown = ", ".join(on[:3]) + ", ..." * (len(on) > 3)
+        where = f" (gradient_checkpointing=True on {shown})" if on else ""
+        warnings.warn(
+            f"prime_ac: {type(model).__name__} has its own gradient checkpointing on{where}; "
+            "its checkpoint regions would wrap prime_ac's and replay the blocks twice. Call "
+            "model.gradient_checkpointing_disable() before prime_ac.checkpoint_blocks (with a "
+            "transformers Trainer: gradient_checkpointing=False in its arguments).",
+            stacklevel=3,
+        )
 
 
 def _check_budget_names(budget: Mapping[str, int], names: list[str]) -> None:
