@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import io
+import pickle
 import subprocess
 import sys
 
@@ -256,3 +258,262 @@ def test_prime_ops_imports_no_prime_ac():
     code = "import sys, prime_ops; print('prime_ac' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_module_or_a_one_argument_predicate_as_blocks_names_blocks_and_the_fix():
+    model = DiT()
+    with pytest.raises(TypeError, match=r"blocks= takes where the blocks are.*got Linear"):
+        prime_ac.checkpoint_blocks(model, blocks=nn.Linear(8, 8))
+    with pytest.raises(TypeError, match=r"blocks=.* must take two arguments.*lambda name, module"):
+        prime_ac.checkpoint_blocks(model, blocks=lambda m: isinstance(m, DoubleBlock))
+    assert prime_ac.unwrap_blocks(model) == []  # refused before anything changed
+
+
+def test_a_block_in_two_stacks_is_discovered_once_under_its_first_path():
+    model = nn.Module()
+    shared = SingleBlock()
+    model.enc = nn.ModuleList([shared, SingleBlock()])
+    model.dec = nn.ModuleList([shared, SingleBlock()])
+    assert prime_ac.checkpoint_blocks(model) == ["enc.0", "enc.1", "dec.1"]
+    # naming it twice is the caller's choice, and the error says so
+    with pytest.raises(ValueError, match=r"blocks= selects 'dec.0' twice \(also as 'enc.0'\)"):
+        prime_ac.checkpoint_blocks(model, blocks=["enc", "dec"])
+
+
+def _loss(model, ids):
+    model.zero_grad(set_to_none=True)
+    model(ids).float().mean().backward()
+    return grads(model)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_a_wrapped_model_pickles_and_stays_checkpointed(mode):
+    torch.manual_seed(0)
+    model, ids = build_model("dense"), torch.randint(0, 256, (2, 16))
+    expected = _loss(copy.deepcopy(model), ids)
+    prime_ac.checkpoint_blocks(model, mode=mode, freq=2)
+    for restore in (
+        lambda m: pickle.loads(pickle.dumps(m)),
+        lambda m: _torch_round_trip(m),
+        copy.deepcopy,
+    ):
+        copied = restore(model)
+        assert [n for n, _ in prime_ac.blocks.wrapped_blocks(copied)] == ["layers.0", "layers.2"]
+        assert type(copied.layers[0]) is type(model.layers[0])  # the same wrapper class
+        assert copied.layers[0]._prime_ac.policy.mode == mode
+        assert_bitwise_equal(_loss(copied, ids), expected)
+        assert prime_ac.unwrap_blocks(copied) == ["layers.0", "layers.2"]
+        assert type(copied.layers[0]).__name__ == "TransformerBlock"
+    assert_bitwise_equal(_loss(model, ids), expected)
+
+
+def _torch_round_trip(model):
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+class ConvBlock(nn.Module):
+    """Conv2d -> BatchNorm2d -> ReLU: BatchNorm updates its running statistics in train mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.norm = nn.Conv2d(3, 3, 3, padding=1), nn.BatchNorm2d(3)
+
+    def forward(self, x):
+        return torch.relu(self.norm(self.conv(x)))
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_batchnorm_statistics_are_updated_once(mode, early_stop):
+    torch.manual_seed(0)
+    plain, x = nn.Sequential(ConvBlock(), ConvBlock()), torch.randn(2, 3, 6, 6)
+    model = copy.deepcopy(plain)
+    prime_ac.checkpoint_blocks(model, mode=mode, early_stop=early_stop)
+    for _ in range(2):
+        plain(x).square().mean().backward()
+        model(x).square().mean().backward()
+    assert_bitwise_equal(grads(model), grads(plain))
+    assert model[0].norm.num_batches_tracked.item() == 2
+    assert_bitwise_equal(dict(model.named_buffers()), dict(plain.named_buffers()))
+
+
+class StatefulBlock(nn.Module):
+    """Reads and reassigns a tensor attribute in its forward (RecurrentGemma's conv state)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.last = None
+
+    def forward(self, x):
+        start = torch.zeros_like(x) if self.last is None else self.last
+        out = torch.tanh(self.lin(x) + start)
+        self.last = out.detach()
+        return out
+
+
+def test_tensor_attributes_the_forward_reassigns_are_as_the_forward_saw_them():
+    torch.manual_seed(0)
+    plain, x = nn.Sequential(StatefulBlock(), StatefulBlock()), torch.randn(3, 4)
+    model = copy.deepcopy(plain)
+    prime_ac.checkpoint_blocks(model, mode="full")
+    for _ in range(2):  # the second step starts from the state the first left
+        plain(x).sum().backward()
+        model(x).sum().backward()
+    assert_bitwise_equal(grads(model), grads(plain))
+    assert torch.equal(model[1].last, plain[1].last)
+
+
+class RecurrentBlock(nn.Module):
+    """xLSTM-style: reads its per-layer state, given positionally; the model writes the new
+    state into it in place after the call."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, state):
+        out = torch.tanh(self.lin(x) + state[0])
+        return out, out.detach().mean(0)
+
+
+class RecurrentModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(RecurrentBlock() for _ in range(2))
+
+    def forward(self, x, states):
+        for block, state in zip(self.blocks, states, strict=True):
+            x, new = block(x, state)
+            state[0].copy_(new)
+        return x.sum()
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_a_per_layer_state_the_model_updates_in_place_is_read_as_the_forward_read_it(mode):
+    torch.manual_seed(0)
+    plain, x = RecurrentModel(), torch.randn(3, 4)
+    model = copy.deepcopy(plain)
+    prime_ac.checkpoint_blocks(model, mode=mode)
+    expected, states = ([[torch.randn(4)] for _ in range(2)] for _ in range(2))
+    for state, reference in zip(states, expected, strict=True):
+        state[0].copy_(reference[0])
+    plain(x, expected).backward()
+    model(x, states).backward()
+    assert_bitwise_equal(grads(model), grads(plain))
+    assert all(torch.equal(s[0], e[0]) for s, e in zip(states, expected, strict=True))
+
+
+class EmptyCache:
+    """transformers' Cache protocol: get_seq_length() is 0 until the first update."""
+
+    def __init__(self):
+        self.states = []
+
+    def get_seq_length(self):
+        return len(self.states)
+
+
+class MambaStyleBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, cache_params=None):
+        out = torch.tanh(self.lin(x))
+        if cache_params is not None:
+            cache_params.states.append(out.detach())
+        return out
+
+
+class MambaStyleModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(MambaStyleBlock() for _ in range(2))
+
+    def forward(self, x, cache):
+        for layer in self.layers:
+            x = layer(x, cache)  # positional, as RecurrentGemma passes its cache
+        return x.sum()
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_an_empty_cache_passed_positionally_is_left_out(mode):
+    torch.manual_seed(0)
+    plain, x = MambaStyleModel(), torch.randn(3, 4)
+    model = copy.deepcopy(plain)
+    prime_ac.checkpoint_blocks(model, mode=mode)
+    plain(x, EmptyCache()).backward()
+    cache = EmptyCache()
+    with pytest.warns(UserWarning, match=r"'layers.0' runs without its empty cache_params.*use_c"):
+        model(x, cache).backward()
+    assert cache.states == []  # as transformers' checkpointing: the training call has no cache
+    assert_bitwise_equal(grads(model), grads(plain))
+    filled = EmptyCache()
+    filled.states.append(torch.zeros(3, 4))
+    with pytest.raises(ValueError, match=r"'layers.0' got cache_params=EmptyCache.*use_cache"):
+        model(x, filled)
+
+
+class StopCounting(nn.Module):
+    """Counts its forward runs after the last tensor autograd saves."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.after_last_save = nn.Linear(4, 4), 0
+
+    def forward(self, x):
+        out = torch.tanh(self.lin(x))
+        self.after_last_save += 1
+        return out * 2.0
+
+
+@pytest.mark.parametrize("early_stop, runs", [(None, 1), (True, 1), (False, 2)])
+def test_early_stop_reaches_the_region(early_stop, runs):
+    model = nn.Sequential(StopCounting(), StopCounting())
+    prime_ac.checkpoint_blocks(model, mode="full", early_stop=early_stop)
+    model(torch.randn(3, 4)).sum().backward()
+    assert [block.after_last_save for block in model] == [runs, runs]
+
+
+def test_determinism_check_reaches_the_region(monkeypatch):
+    seen = []
+    real = prime_ac.blocks.checkpoint
+
+    def recording(*args, **kwargs):
+        seen.append((kwargs.get("determinism_check"), kwargs.get("early_stop")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(prime_ac.blocks, "checkpoint", recording)
+    model = CountingModel(2)
+    config = prime_ac.ACConfig(early_stop=False, determinism_check="none")
+    prime_ac.checkpoint_blocks(model, config=config)
+    model(torch.randn(3, 8)).backward()
+    assert seen == [("none", False)] * 2
+    with pytest.raises(ValueError, match="pass early_stop= either as arguments or in config="):
+        prime_ac.checkpoint_blocks(model, config=config, early_stop=True)
+    with pytest.raises(ValueError, match=r"determinism_check='off' must be one of"):
+        prime_ac.checkpoint_blocks(model, determinism_check="off")
+
+
+def _checkpoint_wrapped(block):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    return checkpoint_wrapper(block)
+
+
+def test_blocks_under_torch_checkpoint_wrapper_are_refused_naming_them():
+    model = CountingModel(3)  # torchtitan's apply_ac: each layer in a CheckpointWrapper
+    model.layers = nn.ModuleList(_checkpoint_wrapped(layer) for layer in model.layers)
+    with pytest.raises(ValueError, match=r"3 selected block\(s\) are already checkpointed.*'l"):
+        prime_ac.checkpoint_blocks(model)
+    inner = lambda name, m: isinstance(m, ac_models.CountingBlock)  # noqa: E731
+    with pytest.raises(ValueError, match=r"'layers.0._checkpoint_wrapped_module' \(Checkpoint"):
+        prime_ac.checkpoint_blocks(model, blocks=inner)
+    outer = nn.Sequential(nn.Sequential(model))  # a selected block that holds one
+    with pytest.raises(ValueError, match=r"CheckpointWrapper '0.0.layers.0'"):
+        prime_ac.checkpoint_blocks(outer, blocks="0")
+    assert prime_ac.unwrap_blocks(outer) == []
