@@ -81,7 +81,17 @@ class ACConfig:
 
     @classmethod
     def from_dict(cls, table: Mapping[str, Any]) -> ACConfig:
-        """Read the ``[trainer.model.ac]`` table; unknown keys raise ValueError naming them."""
+        """Read the ``[trainer.model.ac]`` table; unknown keys raise ValueError naming them.
+
+        A torchtitan ``activation_checkpoint`` table (``selective_ac_option``,
+        ``memory_budget``, ``mode = "memory_budget"``, ...) is read by
+        :func:`prime_ac.integrations.torchtitan.config_from_table`.
+        """
+        # imported here: the integration sits on top of the package and imports this module
+        from prime_ac.integrations import torchtitan
+
+        if torchtitan.is_torchtitan_table(table):
+            return torchtitan.config_from_table(table)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(table) - known)
         if unknown:

@@ -38,7 +38,7 @@ from torch import nn
 from prime_ac import ACConfig, audit, checkpoint_blocks, find_blocks, unwrap_blocks
 from prime_ac._compat import TorchDispatchMode
 
-__all__ = ["SAVE_TARGETS", "TABLE_KEYS", "apply_ac", "config_from_table", "save_targets"]
+__all__ = ["SAVE_TARGETS", "apply_ac", "config_from_table", "is_torchtitan_table", "save_targets"]
 
 logger = logging.getLogger("prime_ac")
 
@@ -80,6 +80,7 @@ them from torchtitan itself), translated, ``aten::_grouped_mm`` and the CPU SDPA
 every mm left out (the rule decides those). :func:`save_targets` computes it from an installed
 torchtitan."""
 
+_MEMORY_BUDGET = ("memory_budget", "memory-budget")
 _MODES = {
     "full": "full",
     "selective": "selective",
@@ -100,9 +101,7 @@ _KEYS = {
     "selective_ac_option",
     "per_op_sac_force_recompute_mm_shapes_by_fqns",
 }
-TABLE_KEYS = frozenset(_KEYS - {"mode", "preserve_rng_state", "determinism_check", "early_stop"})
-"""Keys only a torchtitan table has: :meth:`prime_ac.ACConfig.from_dict` hands such a table to
-:func:`config_from_table`."""
+_TABLE_ONLY = _KEYS - {"mode", "preserve_rng_state", "determinism_check", "early_stop"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +116,10 @@ class _Settings:
     preserve_rng_state: bool = True
     determinism_check: str = "default"
     debug: bool = False
-    early_stop: bool = False  # torchtitan's apply_ac passes early_stop=False
+    # torchtitan 0.3.0's wrapper passes early_stop=False (the recompute runs the whole block);
+    # None keeps prime_ac's default, which stops once backward has its inputs: same gradients,
+    # less replay. A table's own early_stop is passed on.
+    early_stop: bool | None = None
 
 
 def save_targets(save_ops: Any) -> tuple[str, ...]:
@@ -144,6 +146,12 @@ def _target(op: Any) -> str:
         namespace, name, overload = str(op).split(".")
         return f"{namespace}::{name}.{overload}"
     return f"higher_order::{op.name()}"
+
+
+def is_torchtitan_table(table: Mapping[str, Any]) -> bool:
+    """Whether ``table`` uses a key or mode only torchtitan's AC settings have
+    (:meth:`prime_ac.ACConfig.from_dict` then reads it with :func:`config_from_table`)."""
+    return bool(_TABLE_ONLY & set(table)) or table.get("mode") in ("none", *_MEMORY_BUDGET)
 
 
 def config_from_table(table: Mapping[str, Any]) -> ACConfig:
@@ -454,7 +462,7 @@ def _from_table(table: Mapping[str, Any]) -> _Settings:
         preserve_rng_state=table.get("preserve_rng_state", True),
         determinism_check=table.get("determinism_check", "default"),
         debug=table.get("debug", False),
-        early_stop=table.get("early_stop", False),
+        early_stop=table.get("early_stop"),
     )
 
 
@@ -462,7 +470,7 @@ def _extra_fields(settings: _Settings) -> dict[str, Any]:
     """The checkpoint options torchtitan sets that this prime_ac's ACConfig has fields for."""
     fields = {f.name for f in dataclasses.fields(ACConfig)}
     wanted = {"early_stop": settings.early_stop, "determinism_check": settings.determinism_check}
-    return {name: value for name, value in wanted.items() if name in fields}
+    return {name: v for name, v in wanted.items() if name in fields and v is not None}
 
 
 def _check_unsupported(settings: _Settings) -> None:
