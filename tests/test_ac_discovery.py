@@ -196,6 +196,38 @@ def hidream():
     return root
 
 
+def chroma():
+    root = flux()
+    approximator = nn.Module()
+    approximator.in_proj = lin()
+    approximator.layers = nn.ModuleList(MLP() for _ in range(3))  # per-token MLPs
+    approximator.norms = nn.ModuleList(nn.LayerNorm(4) for _ in range(3))
+    root.distilled_guidance_layer = approximator
+    return root
+
+
+def qwen3_vl():
+    root, model, visual = nn.Module(), nn.Module(), nn.Module()
+    visual.patch_embed = nn.Conv3d(3, 4, 1)
+    visual.blocks = nn.ModuleList(Decoder() for _ in range(2))
+    visual.deepstack_merger_list = nn.ModuleList(MLP() for _ in range(2))
+    model.visual, model.language_model = visual, lm(Decoder() for _ in range(2)).model
+    root.model, root.lm_head = model, lin()
+    return root
+
+
+class WideMLP(nn.Module):  # a per-token MLP as large as an attention block
+    def __init__(self):
+        super().__init__()
+        self.up, self.mid, self.gate, self.down, self.out = (lin() for _ in range(5))
+
+
+def wide_mlp_stack():
+    root = lm(Decoder() for _ in range(2))
+    root.mlps = nn.ModuleList(WideMLP() for _ in range(2))
+    return root
+
+
 def names(path, n):
     return [f"{path}.{i}" for i in range(n)]
 
@@ -226,6 +258,18 @@ LAYOUTS = {
     "HiDream (a list of one-layer projections too)": (
         hidream,
         names("transformer_blocks", 2) + names("single_transformer_blocks", 3),
+    ),
+    "Chroma (a stack of guidance MLPs too)": (
+        chroma,
+        names("transformer_blocks", 2) + names("single_transformer_blocks", 3),
+    ),
+    "Qwen3-VL (merger MLPs beside vision and text blocks)": (
+        qwen3_vl,
+        names("model.visual.blocks", 2) + names("model.language_model.layers", 2),
+    ),
+    "per-token MLPs as large as the blocks": (
+        wide_mlp_stack,
+        names("model.layers", 2) + names("mlps", 2),
     ),
     "toy model of one-layer blocks": (
         lambda: nn.Sequential(TextProjection(), TextProjection()),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import gc
 import logging
+import pickle
 
 import pytest
 import torch
@@ -359,3 +360,27 @@ def _fsdp_body(rank: int, world_size: int) -> None:
 @pytest.mark.slow
 def test_scoped_targets_keep_the_same_calls_under_fsdp2_in_both_orders():
     run_distributed(_fsdp_body, 2, timeout=300)
+
+
+@pytest.mark.parametrize("restore", ["deepcopy", "pickle"])
+def test_a_copy_with_scoped_targets_keeps_its_own_scopes_and_the_original_its_own(restore):
+    """The copy's scope hooks push and pop on the copy's own tracker: the copy keeps what the
+    original keeps, and the original keeps the same bytes as before the copy."""
+    reference = _step(_dense())
+    model = _dense(["attention/aten::mm"])
+    before = prime_ac.audit(model, _loss)
+    copied = copy.deepcopy(model) if restore == "deepcopy" else pickle.loads(pickle.dumps(model))
+    assert_bitwise_equal(_step(copied), reference)
+    report = prime_ac.audit(copied, _loss)
+    assert (
+        _kept(report)
+        == _kept(before)
+        == ["attention.wk", "attention.wo", "attention.wq"] + ["attention.wv"]
+    )
+    assert report.held_bytes == before.held_bytes
+    assert_bitwise_equal(_step(model), reference)
+    assert prime_ac.audit(model, _loss).held_bytes == before.held_bytes
+    # the copy's hooks are its tracker's: re-configuring the copy leaves none behind
+    prime_ac.checkpoint_blocks(copied, mode="full")
+    assert not any(m._forward_pre_hooks for m in copied.modules())
+    assert any(m._forward_pre_hooks for m in model.modules())
