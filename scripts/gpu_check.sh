@@ -147,9 +147,9 @@ else
     note="no CUDA: CPU kernels only"
     step native 240 "python3 -m prime_ops.native --no-cuda"
 fi
-pytest_args="-q -rs -p no:cacheprovider -o junit_family=xunit1 ${pytest_timeout[*]}"
-# pytest writes its junit file at the end: a step killed at its limit leaves only its log, so
-# the torch.compile tests (slow: inductor compiles cold) have a step of their own
+pytest_args="-v -rs -p no:cacheprovider -o junit_family=xunit1 ${pytest_timeout[*]}"
+# pytest writes its junit file at the end: of a step killed at its limit the summary reads the
+# verbose log instead; the torch.compile tests (slow: inductor compiles cold) have their own step
 step ac_tests 150 "python3 -m pytest $pytest_args --junitxml='$scratch/ac_tests.xml' \
     -m 'not slow' tests/gpu/test_ac_cuda.py"
 step gpu_tests 150 "python3 -m pytest $pytest_args --junitxml='$scratch/gpu_tests.xml' -m gpu \
@@ -189,6 +189,7 @@ fi
 python3 - "$scratch" "$out" "$budget" "$((SECONDS - start))" <<'EOF'
 """The summary: summary.json under $OUT, and the table printed last."""
 import json
+import re
 import sys
 import xml.etree.ElementTree as ET
 from collections import Counter
@@ -204,9 +205,14 @@ def load(path):
         return None
 
 
-def tests(xml):
-    if not Path(xml).exists():
-        return []
+def tests(name):
+    """Per test: status, first line of its message, recorded properties (from the junit file;
+    from the verbose log where pytest was killed before writing it)."""
+    xml, log = scratch / f"{name}.xml", scratch / f"{name}.log"
+    if not xml.exists():
+        found = re.findall(r"^(tests/\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR)", _read(log), re.M)
+        return [{"test": t.split("/")[-1], "status": s.lower(), "message": "(from the log)",
+                 "props": {}} for t, s in found]
     cases = []
     for case in ET.parse(xml).iter("testcase"):
         status, message = "passed", ""
@@ -216,9 +222,13 @@ def tests(xml):
                 status, message = tag, (node.get("message") or "").splitlines()[0:1]
                 message = message[0] if message else ""
         props = {p.get("name"): p.get("value") for p in case.iter("property")}
-        name = case.get("classname", "").split(".")[-1] + "::" + case.get("name", "")
-        cases.append({"test": name, "status": status, "message": message[:160], "props": props})
+        test = case.get("classname", "").split(".")[-1] + "::" + case.get("name", "")
+        cases.append({"test": test, "status": status, "message": message[:160], "props": props})
     return cases
+
+
+def _read(path):
+    return path.read_text(errors="replace") if path.exists() else ""
 
 
 steps = []
@@ -230,7 +240,7 @@ summary = {
     "env": load(scratch / "env.json"),
     "steps": steps,
     "tests": {
-        name: tests(scratch / f"{name}.xml") for name in ("ac_tests", "ac_compile", "gpu_tests")
+        name: tests(name) for name in ("ac_tests", "ac_compile", "gpu_tests")
     },
     "native_ops": load(out / "cuda_native_ops.json"),
     "ac": load(out / "cuda_ac.json"),
@@ -247,7 +257,7 @@ for name, cases in summary["tests"].items():
     counted = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
     print(f"{name}: {counted or 'no junit results (not run, or killed: see check.log)'}")
     for c in cases:
-        if c["status"] in ("failure", "error"):
+        if c["status"] in ("failure", "error", "failed"):
             print(f"  {c['status'].upper():7} {c['test']}: {c['message']}")
         elif name.startswith("ac_") and c["props"]:
             props = "; ".join(f"{k} {v}" for k, v in c["props"].items())
