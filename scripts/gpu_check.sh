@@ -10,7 +10,8 @@
 #   scripts/gpu_check.sh --prepare     # here, with network: fetch the kernel-library wheels into
 #                                      # build/gpu_wheels when they fit the device tool's limit
 #   scripts/gpu_check.sh               # there (carry build/gpu_wheels): every step
-#   scripts/gpu_check.sh --steps native,ac_tests    # a rerun of some steps
+#   scripts/gpu_check.sh --steps native,ac_tests    # a rerun of some steps, of: env wheels
+#       native ac_tests gpu_tests bench_native bench_ac ac_compile bench_attention bench_eager
 #
 # GPU_CHECK_BUDGET  seconds for all steps (default 450: the issue allows 8 minutes for the call)
 # OUT               where logs and JSON go (default /tmp/prime-ops-gpu); at most 7 files land there
@@ -64,7 +65,7 @@ while [[ $# -gt 0 ]]; do
     --prepare) prepare; exit ;;
     --steps) only=",${2:?--steps needs a list, e.g. --steps native,ac_tests},"; shift 2 ;;
     --budget) budget=${2:?--budget needs seconds}; shift 2 ;;
-    -h | --help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,/^[^#]/p' "$0" | sed '$d'; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
