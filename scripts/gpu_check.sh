@@ -76,7 +76,8 @@ mkdir -p "$out"
 log=$out/check.log
 : >"$log"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export PRIME_OPS_CSRC=$PWD/csrc PRIME_OPS_NATIVE_DIR=${PRIME_OPS_NATIVE_DIR:-$scratch/native}
+# the native build outside the scratch folder, so a rerun on a warm machine reuses it
+export PRIME_OPS_CSRC=$PWD/csrc PRIME_OPS_NATIVE_DIR=${PRIME_OPS_NATIVE_DIR:-/tmp/prime_ops_native}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-$(nproc)}
 export CUBLAS_WORKSPACE_CONFIG=:4096:8 # deterministic cuBLAS for test_ac_cuda's bitwise checks
 has_cuda=$(python3 -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null || echo 0)
