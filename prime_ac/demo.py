@@ -1,21 +1,29 @@
 """``python -m prime_ac demo``: one training step of the built-in models per checkpoint mode.
 
-The table's deterministic columns come first: bytes held for backward, forward operators and
-FLOPs replayed in backward (exact, the same on every run), and the gradient difference against no
-AC (0.0: bitwise equal). Step times come last: the median of several steps per mode after a
-warm-up, interleaved across modes so that a burst of load on the machine hits every mode alike,
-with the spread of the per-round ratios.
+Modes: no AC, plain checkpointing (``torch.utils.checkpoint`` around each block, non-reentrant,
+no ``context_fn``: what torch gives without a policy), and prime_ac's ``full`` and
+``selective``. The table's deterministic columns come first: bytes held for backward, forward
+operators and FLOPs replayed in backward (exact, the same on every run), and the gradient
+difference against no AC (0.0: bitwise equal). Step times come last: medians over interleaved
+rounds (one step of every mode per round, the order reversed every other round, so that drift
+and bursts of load hit every mode alike), in CPU time of the main thread with torch on one
+thread (``time.thread_time``, as benchmarks/eager_overhead.py measures): other processes on a
+shared machine barely move it, where wall time moves by 2x.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import statistics
+import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from prime_ac.checkpoint import checkpoint_blocks
 from prime_ac.measure import StepStats, measure_step
@@ -23,13 +31,18 @@ from prime_ac.models import build_model
 
 __all__ = ["ModeResult", "compare_modes", "format_table"]
 
-MODES = ("none", "full", "selective")
+MODES = ("none", "plain", "full", "selective")
 
 # What carries FLOPs in the table: torch.utils.flop_counter has formulas for matrix products and
 # attention only; norms, RoPE, activations, routing and views count 0 FLOPs.
 FLOP_NOTE = (
     "FLOPs count matrix products and attention only (torch.utils.flop_counter); selective keeps "
     "them, so the ops it replays (norms, RoPE, activations, views) carry 0 FLOPs."
+)
+TIME_NOTE = (
+    "Step times: CPU time of one thread, median over interleaved rounds; in brackets the middle "
+    "half of the per-round ratios. On models this small a step costs more in per-operator "
+    "dispatch than in FLOPs, which is why replaying 0 FLOPs (selective) is not free."
 )
 
 
@@ -42,10 +55,33 @@ class ModeResult:
     recomputed_flops: int  # of matrix products and attention, the ops with a FLOP formula
     recomputed_flops_ratio: float  # against one forward
     max_grad_diff: float  # against no AC; 0.0 means bitwise equal
-    step_ratio: float  # median step time against no AC's median, interleaved rounds
-    step_ratio_low: float  # lowest and highest per-round ratio: the spread
+    step_ratio: float  # median of the per-round ratios of step time against no AC
+    step_ratio_low: float  # quartiles of those ratios: the spread
     step_ratio_high: float
-    step_s: float  # median step time in seconds
+    step_ratio_plain: float  # median of the per-round ratios against plain checkpointing
+    step_s: float  # median step time in seconds (CPU time of one thread)
+
+
+def _say(message: str) -> None:
+    """Progress on stderr, so that ``--json`` output stays parseable."""
+    print(message, file=sys.stderr, flush=True)
+
+
+@contextmanager
+def _one_thread():
+    """Every step of every mode runs on one intra-op thread: times and gradients comparable."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _plain_checkpointing(model) -> None:
+    """``torch.utils.checkpoint`` around each block, no ``context_fn``; names unchanged."""
+    for block in model.layers:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
 
 
 def _tokens(model, batch: int, seq_len: int, seed: int) -> torch.Tensor:
@@ -55,9 +91,16 @@ def _tokens(model, batch: int, seq_len: int, seed: int) -> torch.Tensor:
 
 def _step_seconds(model, tokens) -> float:
     model.zero_grad(set_to_none=True)
-    start = time.perf_counter()
+    start = time.thread_time()
     model.loss(tokens).backward()
-    return time.perf_counter() - start
+    return time.thread_time() - start
+
+
+def _quartiles(values: list[float]) -> tuple[float, float]:
+    if len(values) < 2:
+        return values[0], values[0]
+    low, _, high = statistics.quantiles(values, n=4, method="inclusive")
+    return low, high
 
 
 def compare_modes(
@@ -70,37 +113,48 @@ def compare_modes(
     repeats: int = 7,
     **model_overrides,
 ) -> list[ModeResult]:
-    """Train the built-in ``kind`` model per mode, each from the same weights.
+    """Train the built-in ``kind`` model per mode, each from the same weights, on one thread.
 
     Counts come from one measured step per mode; times from ``repeats`` rounds that each run one
     step of every mode, after one warm-up round.
     """
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: time at least one round (repeats=1)")
-    reference = build_model(kind, seed=seed, **model_overrides)
-    tokens = _tokens(reference, batch, seq_len, seed)
-    order = ("none", *[m for m in modes if m != "none"])
-    models, stats = {}, {}
-    for mode in order:
-        model = copy.deepcopy(reference)
-        if mode != "none":
-            checkpoint_blocks(model, mode=mode)
-        models[mode] = model
-        stats[mode] = measure_step(model, lambda m: m.loss(tokens))
-    times: dict[str, list[float]] = {mode: [] for mode in order}
-    for round_ in range(repeats + 1):
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"modes={modes!r}: {unknown} not among {MODES}")
+    order = tuple(m for m in MODES if m in {"none", "plain", *modes})
+    with _one_thread():
+        reference = build_model(kind, seed=seed, **model_overrides)
+        tokens = _tokens(reference, batch, seq_len, seed)
+        _say(f"{kind} model: measuring held bytes and replayed work ({', '.join(order)})")
+        models, stats = {}, {}
         for mode in order:
-            seconds = _step_seconds(models[mode], tokens)
-            if round_:  # round 0 warms up
-                times[mode].append(seconds)
+            model = copy.deepcopy(reference)
+            if mode == "plain":
+                _plain_checkpointing(model)
+            elif mode != "none":
+                checkpoint_blocks(model, mode=mode)
+            models[mode] = model
+            stats[mode] = measure_step(model, lambda m: m.loss(tokens))
+        _say(f"{kind} model: timing {repeats} interleaved rounds after a warm-up (1 thread)")
+        times: dict[str, list[float]] = {mode: [] for mode in order}
+        for round_ in range(repeats + 1):
+            for mode in order if round_ % 2 else order[::-1]:
+                seconds = _step_seconds(models[mode], tokens)
+                if round_:  # round 0 warms up
+                    times[mode].append(seconds)
     base: StepStats = stats["none"]
     results = []
     for mode in modes:
         s = stats[mode]
         diff = max((s.grads[n] - g).abs().max().item() for n, g in base.grads.items())
         recomputed_flops = s.backward_flops - base.backward_flops
-        ratios = [t / b for t, b in zip(times[mode], times["none"], strict=True)]
-        median = statistics.median(times[mode])
+        vs_none, vs_plain = (
+            [t / b for t, b in zip(times[mode], times[other], strict=True)]
+            for other in ("none", "plain")
+        )
+        low, high = _quartiles(vs_none)
         results.append(
             ModeResult(
                 mode=mode,
@@ -110,32 +164,37 @@ def compare_modes(
                 recomputed_flops=recomputed_flops,
                 recomputed_flops_ratio=recomputed_flops / base.forward_flops,
                 max_grad_diff=diff,
-                step_ratio=median / statistics.median(times["none"]),
-                step_ratio_low=min(ratios),
-                step_ratio_high=max(ratios),
-                step_s=median,
+                step_ratio=statistics.median(vs_none),
+                step_ratio_low=low,
+                step_ratio_high=high,
+                step_ratio_plain=statistics.median(vs_plain),
+                step_s=statistics.median(times[mode]),
             )
         )
     return results
 
 
 def format_table(title: str, results: list[ModeResult], repeats: int) -> str:
-    step = f"step time (median of {repeats}, range)"
+    step = f"step time (median of {repeats})"
     header = (
         f"{'mode':<10} {'held for backward':>20} {'recomputed ops':>15} "
-        f"{'recomputed FLOPs':>22} {'max |grad diff|':>16}   {step}"
+        f"{'recomputed FLOPs':>22} {'max |grad diff|':>16}   {step:<28}{'vs plain':>9}"
     )
     lines = [title, header, "-" * len(header)]
     for r in results:
+        spread = f"({r.step_ratio_low:.2f}-{r.step_ratio_high:.2f})"
+        time_ = f"{r.step_s * 1e3:6.1f} ms {r.step_ratio:.2f}x {spread}"
         lines.append(
             f"{r.mode:<10} {r.held_bytes / 2**20:>9.2f} MiB ({r.held_ratio:>5.1%}) "
-            f"{r.recomputed_ops:>15} {r.recomputed_flops / 1e6:>9.1f} MFLOP ({r.recomputed_flops_ratio:>5.1%}) "
-            f"{r.max_grad_diff:>16.1e}   {r.step_ratio:.2f}x ({r.step_ratio_low:.2f}-{r.step_ratio_high:.2f}x)"
+            f"{r.recomputed_ops:>15} {r.recomputed_flops / 1e6:>9.1f} MFLOP "
+            f"({r.recomputed_flops_ratio:>5.1%}) {r.max_grad_diff:>16.1e}   "
+            f"{time_:<28}{r.step_ratio_plain:>8.2f}x"
         )
     return "\n".join(lines)
 
 
 def main(kinds: list[str], as_json: bool, repeats: int = 7) -> int:
+    start = time.perf_counter()
     report = {kind: compare_modes(kind, repeats=repeats) for kind in kinds}
     if as_json:
         print(json.dumps({k: [r.__dict__ for r in v] for k, v in report.items()}, indent=2))
@@ -149,6 +208,7 @@ def main(kinds: list[str], as_json: bool, repeats: int = 7) -> int:
                     repeats,
                 )
             )
-        print(f"\n{FLOP_NOTE}")
+        print(f"\n{FLOP_NOTE}\n{TIME_NOTE}")
+    _say(f"demo: {time.perf_counter() - start:.0f} s")
     worst = max(r.max_grad_diff for results in report.values() for r in results)
     return 0 if worst == 0.0 else 1

@@ -3,11 +3,12 @@
 #   prime_ops_venv DIR TORCH_VERSION EXTRAS [--fresh]
 #
 # A venv at DIR is reused when it runs and holds torch==TORCH_VERSION; then torch is never touched,
-# and this project is re-installed (pip install --no-deps -e ., 5-15 s) only when pyproject.toml
-# changed or the editable install points elsewhere. Otherwise DIR is created
-# (or re-created) and torch is installed first: the CPU build for 2.13.0, a CUDA build of several
-# GB for other versions on this package index. EXTRAS (e.g. "test", or "" for none) are installed
-# with torch pinned, so no dependency can upgrade or downgrade it. Leaves DIR activated.
+# this project is re-installed (pip install --no-deps -e ., 5-15 s) only when pyproject.toml
+# changed or the editable install points elsewhere, and any requirement of the project or of
+# EXTRAS that the venv lacks is installed. Otherwise DIR is created (or re-created) and torch is
+# installed first: the CPU build for 2.13.0, a CUDA build of several GB for other versions on
+# this package index. EXTRAS (e.g. "test", or "" for none) are installed with torch pinned, so
+# no dependency can upgrade or downgrade it. Leaves DIR activated.
 
 prime_ops_venv() {
     local venv=$1 torch_version=$2 extras=$3 fresh=${4:-}
@@ -36,15 +37,17 @@ PY
             echo "reusing $venv (torch $have); re-installing the project only" >&2
             pip install -qq --no-deps -e .
         fi
-        if [[ -n "$extras" ]] && ! python - "$extras" 2>/dev/null <<'PY'
+        # A dependency added since the venv was made (--no-deps above installs none): install
+        # what is missing of the project's own requirements and those of EXTRAS.
+        if ! python - "$extras" 2>/dev/null <<'PY'
 import importlib.metadata as m, re, sys
 marker = f'extra == "{sys.argv[1]}"'
 for req in m.requires("prime-ops") or []:
-    if marker in req:
+    if ";" not in req or marker in req:
         m.version(re.match(r"[A-Za-z0-9._-]+", req).group())  # raises when not installed
 PY
         then
-            pip install -qq -c "$pin" -e ".[$extras]"
+            pip install -qq -c "$pin" -e ".${extras:+[$extras]}"
         fi
         echo "$want" >"$stamp"
     else

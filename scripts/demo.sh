@@ -11,8 +11,4 @@ fresh=""
 if [[ ${1:-} == --fresh ]]; then fresh=1; shift; fi
 . scripts/_venv.sh
 prime_ops_venv "${PRIME_OPS_VENV:-.venv-demo}" 2.13.0 "" $fresh
-# torch warns "Failed to initialize NumPy" at import when numpy is absent.
-python -c "import numpy" 2>/dev/null || pip install -qq numpy
-# prime_ac builds its C++ operator interceptor on first use with torch.utils.cpp_extension (ninja).
-python -c "import ninja" 2>/dev/null || pip install -qq ninja
 python -m prime_ac demo "$@"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import prime_ac.demo
 from prime_ac.__main__ import _parsers, main
@@ -41,24 +42,36 @@ def test_demo_cli_prints_a_table_per_model_with_exact_gradients(demo_cli):
     assert set(report) == {"dense", "moe"}
     for rows in report.values():
         by_mode = {row["mode"]: row for row in rows}
-        assert list(by_mode) == ["none", "full", "selective"]
+        assert list(by_mode) == ["none", "plain", "full", "selective"]
         assert all(row["max_grad_diff"] == 0.0 for row in rows)
-        none, full, selective = by_mode["none"], by_mode["full"], by_mode["selective"]
+        none, plain, full, selective = (by_mode[m] for m in ("none", "plain", "full", "selective"))
         assert none["recomputed_ops"] == 0 and none["recomputed_flops"] == 0
         assert full["held_bytes"] < selective["held_bytes"] < none["held_bytes"]
-        assert full["recomputed_flops"] > 0
+        # full keeps only the mandatory operators (routing, telemetry), none of which has FLOPs:
+        # it replays every FLOP plain checkpointing replays, and holds at least as much.
+        assert full["recomputed_flops"] == plain["recomputed_flops"] > 0
+        assert plain["held_bytes"] <= full["held_bytes"]
         assert selective["recomputed_flops"] == 0  # every matmul and attention is kept
         assert full["recomputed_ops"] > selective["recomputed_ops"] > 0
         assert all(row["step_ratio_low"] <= row["step_ratio_high"] for row in rows)
+        assert none["step_ratio"] == 1.0 and plain["step_ratio_plain"] == 1.0
 
 
 def test_demo_table_puts_counts_first_and_says_which_ops_carry_flops(demo_cli):
     out = demo_cli("--model", "dense", "--repeats", "2")
     header = next(line for line in out.splitlines() if line.startswith("mode"))
     columns = ["held for backward", "recomputed ops", "recomputed FLOPs", "max |grad diff|"]
-    positions = [header.index(c) for c in [*columns, "step time (median of 2, range)"]]
+    positions = [header.index(c) for c in [*columns, "step time (median of 2)", "vs plain"]]
     assert positions == sorted(positions)
     assert "FLOPs count matrix products and attention only" in out
+
+
+def test_compare_modes_says_when_each_phase_starts_and_restores_the_thread_count(capsys):
+    threads = torch.get_num_threads()
+    compare_modes("dense", modes=("none",), batch=1, seq_len=4, n_layers=1, repeats=1)
+    err = capsys.readouterr().err.splitlines()
+    assert [line.split(":")[1].split()[0] for line in err] == ["measuring", "timing"], err
+    assert torch.get_num_threads() == threads
 
 
 def test_compare_modes_small_model_counts_replayed_forward_flops(small_results):
