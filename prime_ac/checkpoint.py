@@ -276,24 +276,35 @@ def _check_no_checkpoint_wrapper(model: nn.Module, selected: list[tuple[str, nn.
 
 
 def _warn_on_own_checkpointing(model: nn.Module) -> None:
-    """Warn once per call when Hugging Face's own gradient checkpointing is on (transformers'
-    ``is_gradient_checkpointing``, or a module's ``gradient_checkpointing`` flag as
-    GradientCheckpointingLayer and diffusers set it): its regions would wrap prime_ac's."""
+    """Warn once per call when Hugging Face's own gradient checkpointing is on: a module's
+    ``gradient_checkpointing`` flag, as transformers' GradientCheckpointingLayer and diffusers
+    set it (what transformers' ``is_activation_checkpointing``, formerly
+    ``is_gradient_checkpointing``, reads). Its regions would wrap prime_ac's."""
     on = [
         name or "<root>"
         for name, m in model.named_modules()
         if getattr(m, "gradient_checkpointing", False) is True
     ]
-    if getattr(model, "is_gradient_checkpointing", False) is True or on:
-        shown = ", ".join(on[:3]) + ", ..." * (len(on) > 3)
-        where = f" (gradient_checkpointing=True on {shown})" if on else ""
-        warnings.warn(
-            f"prime_ac: {type(model).__name__} has its own gradient checkpointing on{where}; "
-            "its checkpoint regions would wrap prime_ac's and replay the blocks twice. Call "
-            "model.gradient_checkpointing_disable() before prime_ac.checkpoint_blocks (with a "
-            "transformers Trainer: gradient_checkpointing=False in its arguments).",
-            stacklevel=3,
-        )
+    if not on:
+        return
+    # transformers 5.2x renamed the call; the old name warns that it is deprecated
+    off = next(
+        (
+            f"model.{n}()"
+            for n in ("activation_checkpointing_disable", "gradient_checkpointing_disable")
+            if callable(getattr(type(model), n, None))
+        ),
+        "gradient_checkpointing=False on those modules",
+    )
+    shown = ", ".join(on[:3]) + ", ..." * (len(on) > 3)
+    warnings.warn(
+        f"prime_ac: {type(model).__name__} has its own gradient checkpointing on "
+        f"(gradient_checkpointing=True on {shown}); its checkpoint regions would wrap "
+        f"prime_ac's and replay the blocks twice. Call {off} before "
+        "prime_ac.checkpoint_blocks (with a transformers Trainer: gradient_checkpointing=False "
+        "in its arguments).",
+        stacklevel=3,
+    )
 
 
 def _check_budget_names(budget: Mapping[str, int], names: list[str]) -> None:
