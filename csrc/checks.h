@@ -24,7 +24,7 @@ inline void check_floating(const Tensor& t, const char* what) {
   STD_TORCH_CHECK(s == ScalarType::Float || s == ScalarType::Double ||
                       s == ScalarType::BFloat16 || s == ScalarType::Half,
                   what, " must be float32, float64, bfloat16 or float16, got ",
-                  torch::headeronly::toString(s));
+                  dtype_name(s));
 }
 
 inline ScalarType lse_type(const Tensor& out) {
@@ -45,7 +45,7 @@ inline void check_permute(const Tensor& x, const Tensor& topk_idx, int64_t num_e
   STD_TORCH_CHECK(topk_idx.scalar_type() == ScalarType::Long ||
                       topk_idx.scalar_type() == ScalarType::Int,
                   "topk_idx must be int64 or int32 expert ids, got ",
-                  torch::headeronly::toString(topk_idx.scalar_type()));
+                  dtype_name(topk_idx.scalar_type()));
   check_top_k(topk_idx, "topk_idx");
   STD_TORCH_CHECK(num_experts >= 1 && num_experts <= kMaxExperts, "num_experts must be in [1, ",
                   kMaxExperts, "], got ", num_experts);
@@ -72,8 +72,8 @@ inline void check_weights(const Tensor& y_sorted, const Tensor& row_map, const T
   check_shape(w, {row_map.size(0), row_map.size(1)}, "topk_weights", "[T, K] (row_map's) = ");
   const ScalarType y_type = y_sorted.scalar_type();
   STD_TORCH_CHECK(w.scalar_type() == ScalarType::Float || w.scalar_type() == y_type,
-                  "topk_weights must be float32 or ", torch::headeronly::toString(y_type),
-                  " (the dtype of y_sorted), got ", torch::headeronly::toString(w.scalar_type()));
+                  "topk_weights must be float32 or ", dtype_name(y_type),
+                  " (the dtype of y_sorted), got ", dtype_name(w.scalar_type()));
   check_same_device(y_sorted, "y_sorted", w, "topk_weights");
   check_contiguous(w, "topk_weights");
 }

@@ -76,6 +76,20 @@ inline acc lane_sum(int64_t n, F&& term) {
   return lanes[0];
 }
 
+// The dtype as Python spells it (torch.float32), so the kernels' messages read like the fronts'.
+inline std::string dtype_name(ScalarType t) {
+  switch (t) {
+    case ScalarType::Float: return "torch.float32";
+    case ScalarType::Double: return "torch.float64";
+    case ScalarType::BFloat16: return "torch.bfloat16";
+    case ScalarType::Half: return "torch.float16";
+    case ScalarType::Long: return "torch.int64";
+    case ScalarType::Int: return "torch.int32";
+    case ScalarType::Float8_e4m3fn: return "torch.float8_e4m3fn";
+    default: return torch::headeronly::toString(t);
+  }
+}
+
 inline std::string device_name(const Tensor& t) {
   if (t.is_cpu()) return "cpu";
   return std::string(t.is_cuda() ? "cuda:" : "device:") + std::to_string(t.get_device_index());
@@ -90,8 +104,8 @@ inline void check_dim(const Tensor& t, int64_t dim, const char* what) {
 }
 
 inline void check_dtype(const Tensor& t, ScalarType dtype, const char* what) {
-  STD_TORCH_CHECK(t.scalar_type() == dtype, what, " must be ", torch::headeronly::toString(dtype),
-                  ", got ", torch::headeronly::toString(t.scalar_type()));
+  STD_TORCH_CHECK(t.scalar_type() == dtype, what, " must be ", dtype_name(dtype), ", got ",
+                  dtype_name(t.scalar_type()));
 }
 
 // t [size0, size1] exactly; `expected` names the sizes in the message, e.g. "[T, K] = ".
@@ -126,8 +140,8 @@ inline Tensor allocate(const Tensor& like, std::initializer_list<int64_t> sizes,
     return zeros ? torch::stable::new_zeros(like, sizes, dtype)
                  : torch::stable::new_empty(like, sizes, dtype);
   } catch (const std::exception&) {
-    STD_TORCH_CHECK(false, "could not allocate ", what, " [", shape, "] of ",
-                    torch::headeronly::toString(dtype), " on ", device_name(like),
+    STD_TORCH_CHECK(false, "could not allocate ", what, " [", shape, "] of ", dtype_name(dtype),
+                    " on ", device_name(like),
                     " (out of memory, or more elements than a tensor can hold)");
   }
   return like;  // unreachable

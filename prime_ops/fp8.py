@@ -325,6 +325,15 @@ def _pad_rows(t: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, 0, 0, (-t.shape[0]) % BLOCK))
 
 
+def _check_grad(grad: torch.Tensor, rows: int, cols: int) -> None:
+    _check_high_precision("grad", grad)
+    if tuple(grad.shape) != (rows, cols):
+        raise ValueError(
+            f"grad must have shape [M, N] = [{rows}, {cols}] (the forward output's), got "
+            f"{list(grad.shape)}"
+        )
+
+
 def _check_mm(x: torch.Tensor, weight: torch.Tensor) -> None:
     check_same_device("prime_rl::fp8_blockwise_mm", x=x, weight=weight)
     _check_high_precision("x", x)
@@ -352,11 +361,17 @@ def _(x, weight, ue8m0=None):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
+def _check_mm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    check_same_device("prime_rl::fp8_blockwise_mm_backward", grad=grad, x=x, weight=weight)
+    _check_mm(x, weight)
+    _check_grad(grad, x.shape[0], weight.shape[0])
+
+
 @torch.library.custom_op("prime_rl::fp8_blockwise_mm_backward", mutates_args=())
 def _fp8_blockwise_mm_backward(
     grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, ue8m0: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_same_device("prime_rl::fp8_blockwise_mm_backward", grad=grad, x=x, weight=weight)
+    _check_mm_backward(grad, x, weight)
     ue8m0 = _resolve_ue8m0(ue8m0, x.device)
     grad_x = _mm_nt(grad, weight.T.contiguous(), x.dtype, ue8m0)
     grad_w = _mm_nt(
@@ -367,7 +382,7 @@ def _fp8_blockwise_mm_backward(
 
 @_fp8_blockwise_mm_backward.register_fake
 def _(grad, x, weight, ue8m0=None):
-    check_same_device("prime_rl::fp8_blockwise_mm_backward", grad=grad, x=x, weight=weight)
+    _check_mm_backward(grad, x, weight)
     return torch.empty_like(x), torch.empty_like(weight)
 
 
@@ -415,6 +430,14 @@ def _(x, weight, offsets, ue8m0=None):
     return x.new_empty(x.shape[0], weight.shape[1])
 
 
+def _check_grouped_backward(grad, x, weight, offsets) -> None:
+    check_same_device(
+        "prime_rl::grouped_fp8_gemm_backward", grad=grad, x=x, weight=weight, offsets=offsets
+    )
+    _check_grouped(x, weight, offsets)
+    _check_grad(grad, x.shape[0], weight.shape[1])
+
+
 @torch.library.custom_op("prime_rl::grouped_fp8_gemm_backward", mutates_args=())
 def _grouped_fp8_gemm_backward(
     grad: torch.Tensor,
@@ -423,9 +446,8 @@ def _grouped_fp8_gemm_backward(
     offsets: torch.Tensor,
     ue8m0: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_same_device(
-        "prime_rl::grouped_fp8_gemm_backward", grad=grad, x=x, weight=weight, offsets=offsets
-    )
+    _check_grouped_backward(grad, x, weight, offsets)
+    check_offsets_values(offsets, x.shape[0])
     ue8m0 = _resolve_ue8m0(ue8m0, x.device)
     grad_x = _grouped_nt(grad, weight.transpose(1, 2), offsets, x.dtype, ue8m0)
     # dW[g] = grad_g.T @ x_g contracts over each group's rows: one dense NT GEMM per group,
@@ -443,9 +465,7 @@ def _grouped_fp8_gemm_backward(
 
 @_grouped_fp8_gemm_backward.register_fake
 def _(grad, x, weight, offsets, ue8m0=None):
-    check_same_device(
-        "prime_rl::grouped_fp8_gemm_backward", grad=grad, x=x, weight=weight, offsets=offsets
-    )
+    _check_grouped_backward(grad, x, weight, offsets)
     return torch.empty_like(x), torch.empty_like(weight)
 
 

@@ -38,6 +38,15 @@ def _check(tokens_per_expert, routing_confidence_sum, token_counts, confidence) 
             f"{tuple(routing_confidence_sum.shape)}; pass the confidence already reduced to "
             "the accumulator's shape (usually a 0-d sum over tokens)"
         )
+    for total, part, names in (
+        (tokens_per_expert, token_counts, ("tokens_per_expert", "token_counts")),
+        (routing_confidence_sum, confidence, ("routing_confidence_sum", "confidence")),
+    ):
+        if not torch.can_cast(part.dtype, total.dtype):
+            raise TypeError(
+                f"{names[1]} is {part.dtype}, which {names[0]} ({total.dtype}) cannot add in "
+                f"place; make {names[0]} {torch.promote_types(part.dtype, total.dtype)}"
+            )
 
 
 @torch.library.custom_op(

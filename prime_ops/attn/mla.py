@@ -365,13 +365,30 @@ def _sparse_mla_backward(
     d_v: int,
     backend: str,
 ) -> tuple[Tensor, Tensor]:
-    spec = check_arguments(q, kv, indices, softmax_scale, d_v, backend)
+    spec = _check_backward(dout, q, kv, indices, out, lse, softmax_scale, d_v, backend)
     return spec.backward(dout, q, kv, indices, out, lse, softmax_scale, d_v)
+
+
+def _check_backward(dout, q, kv, indices, out, lse, softmax_scale, d_v, backend):
+    """The forward's checks, and the forward's outputs (and their gradient) in its shapes."""
+    spec = check_arguments(q, kv, indices, softmax_scale, d_v, backend)
+    out_shape = (q.shape[0], q.shape[1], d_v)
+    for name, t, shape, dtype in (
+        ("dout", dout, out_shape, q.dtype),
+        ("out", out, out_shape, q.dtype),
+        ("lse", lse, out_shape[:2], torch.float32),
+    ):
+        if tuple(t.shape) != shape or t.dtype != dtype or t.device != q.device:
+            raise ValueError(
+                f"{name} must be {dtype} {list(shape)} on {q.device} (the forward's), got "
+                f"{t.dtype} {list(t.shape)} on {t.device}"
+            )
+    return spec
 
 
 @_sparse_mla_backward.register_fake
 def _(dout, q, kv, indices, out, lse, softmax_scale, d_v, backend):
-    check_arguments(q, kv, indices, softmax_scale, d_v, backend)
+    _check_backward(dout, q, kv, indices, out, lse, softmax_scale, d_v, backend)
     return torch.empty_like(q), torch.empty_like(kv)
 
 
@@ -406,8 +423,9 @@ def sparse_mla(
 
     ``q [T, Hq, Dqk]``, ``kv [S, Hkv, Dqk]`` (MLA's latent plus rope channels; values are
     ``kv[..., :d_v]``), ``indices [T, Hkv, topk]`` int32 naming the KV rows each query attends
-    to (``-1`` or ``>= S``: none). ``softmax_scale`` defaults to ``Dqk ** -0.5``. ``lse`` is the
-    natural-log log-sum-exp, ``-inf`` for a query with no valid index, without gradient.
+    to (negative, e.g. ``-1``, or ``>= S``: none). ``softmax_scale`` defaults to ``Dqk ** -0.5``.
+    ``lse`` is the natural-log log-sum-exp, ``-inf`` for a query with no valid index, without
+    gradient.
 
     Example (CPU)::
 
