@@ -8,6 +8,7 @@ the normal test run is what builds it in CI; without a C++ compiler or ninja the
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +27,12 @@ _NO_BUILD = {  # what works on a machine that cannot build the library
     "test_unbuilt_library_raises_backend_unavailable",
     "test_fakes_work_without_kernels",
     "test_cuda_sources_compile",
+    "test_cache_key_holds_the_instruction_set",
+    "test_an_unusable_library_is_rebuilt_once_with_the_reason",
+    "test_a_rebuild_that_fails_leaves_the_python_paths",
+    "test_a_stale_lock_is_reported_and_removed",
+    "test_a_live_lock_is_waited_on_for_a_bounded_time",
+    "test_a_compile_prints_when_it_starts_and_ends",
 }
 
 
@@ -568,3 +575,144 @@ def test_a_process_that_found_no_build_keeps_the_python_paths(tmp_path, monkeypa
     out.mkdir(parents=True)
     (out / f"{native_build.LIBRARY}.so").write_bytes(b"finished meanwhile by another process")
     assert native_build.load() is False  # loading it would raise: not even tried
+
+
+# --- the build cache: instruction set in the key, checksummed libraries, owned locks ------------
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    """An empty cache directory and a process state that has loaded nothing; libraries are
+    'loaded' by a recorder (loading a second copy of the real one would register it twice)."""
+    monkeypatch.setenv("PRIME_OPS_NATIVE_DIR", str(tmp_path))
+    monkeypatch.setattr(native_build, "_loaded", None)
+    monkeypatch.setattr(native_build, "_found_none", False)
+    monkeypatch.setattr(native_build, "torch_supported", lambda: True)
+    loaded = []
+    monkeypatch.setattr(torch.ops, "load_library", lambda path: loaded.append(path))
+    return loaded
+
+
+def _fake_compile(monkeypatch, library_bytes=b"\x7fELF a complete library"):
+    """Replace the compiler: write the library and its record as a finished build does."""
+    compiled = []
+
+    def compile_(out, cuda, verbose):
+        compiled.append(out)
+        library = native_build._library(out)
+        library.write_bytes(library_bytes)
+        native_build._stamp(library).write_text(native_build._digest(library))
+        native_build._loaded = library
+
+    monkeypatch.setattr(native_build, "_compile", compile_)
+    return compiled
+
+
+def test_cache_key_holds_the_instruction_set(monkeypatch):
+    """A home directory shared by nodes of different CPUs: one library per instruction set
+    (before, an AVX-512 build was loaded on an AVX2 node: illegal instruction)."""
+    assert native_build._isa()  # this machine's, from /proc/cpuinfo or the compiler
+    monkeypatch.setattr(native_build, "_isa", lambda: "x86_64: avx avx2 fma")
+    avx2 = native_build.cache_dir(False)
+    monkeypatch.setattr(native_build, "_isa", lambda: "x86_64: avx avx2 avx512f fma")
+    assert native_build.cache_dir(False) != avx2
+    assert native_build.cache_dir(False).parent == avx2.parent
+
+
+@pytest.mark.parametrize("damage", ["truncated", "no record", "does not load"])
+def test_an_unusable_library_is_rebuilt_once_with_the_reason(
+    damage, fresh_cache, monkeypatch, capsys
+):
+    """Before, a truncated cached library was loaded (bus error) and never rebuilt."""
+    out = native_build.cache_dir(False)
+    out.mkdir(parents=True)
+    library = native_build._library(out)
+    library.write_bytes(b"\x7fELF a complete library")
+    native_build._stamp(library).write_text(native_build._digest(library))
+    if damage == "truncated":
+        library.write_bytes(b"\x7fELF a compl")
+    elif damage == "no record":
+        native_build._stamp(library).unlink()
+    else:
+        failures = iter([OSError("undefined symbol: aoti_torch_foo")])
+
+        def load_library(path):
+            if next(failures, None) is not None:
+                raise OSError("undefined symbol: aoti_torch_foo")
+            fresh_cache.append(path)
+
+        monkeypatch.setattr(torch.ops, "load_library", load_library)
+    compiled = _fake_compile(monkeypatch)
+    assert native_build.load() is True
+    assert compiled == [out]
+    reason = {"truncated": "bytes differ", "no record": "is missing", "does not load": "undefined"}
+    err = capsys.readouterr().err
+    assert "unusable" in err and reason[damage] in err and "rebuilding it once" in err
+
+
+def test_a_rebuild_that_fails_leaves_the_python_paths(fresh_cache, monkeypatch, capsys):
+    out = native_build.cache_dir(False)
+    out.mkdir(parents=True)
+    native_build._library(out).write_bytes(b"garbage")
+
+    def no_compiler(out, cuda, verbose):
+        raise RuntimeError("c++: command not found")
+
+    monkeypatch.setattr(native_build, "_compile", no_compiler)
+    assert native_build.load() is False and native_build.load() is False  # tried once only
+    err = capsys.readouterr().err
+    assert err.count("rebuilding it once") == 1 and "c++: command not found" in err
+
+
+def test_a_stale_lock_is_reported_and_removed(fresh_cache, monkeypatch, capsys):
+    """Before, a lock left by a killed build was waited on without bound or message."""
+    import socket
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    out = native_build.cache_dir(False)
+    out.mkdir(parents=True)
+    (out / native_build.LOCK).write_text(f"{dead.pid} {socket.gethostname()}")
+    (out / "lock").write_text("")  # cpp_extension's baton of the killed build
+    compiled = _fake_compile(monkeypatch)
+    native_build.build(cuda=False)
+    assert compiled == [out] and not (out / native_build.LOCK).exists()
+    assert f"removing the stale build lock {out / native_build.LOCK} of process {dead.pid}" in (
+        capsys.readouterr().err
+    )
+
+
+def test_a_live_lock_is_waited_on_for_a_bounded_time(fresh_cache, monkeypatch, capsys):
+    import os
+    import socket
+
+    out = native_build.cache_dir(False)
+    out.mkdir(parents=True)
+    (out / native_build.LOCK).write_text(f"{os.getppid()} {socket.gethostname()}")
+    monkeypatch.setattr(native_build, "LOCK_WAIT", 0.3)
+    _fake_compile(monkeypatch)
+    with pytest.raises(TimeoutError, match=f"held for over 0 s by .{os.getppid()}"):
+        native_build.build(cuda=False)
+    assert f"waiting for the build of process {os.getppid()}" in capsys.readouterr().err
+    assert native_build.load() is False  # a build in progress is not loaded
+
+
+def test_a_compile_prints_when_it_starts_and_ends(fresh_cache, monkeypatch, capsys):
+    from torch.utils import cpp_extension
+
+    def load(name, build_directory, **kwargs):
+        (Path(build_directory) / f"{name}.so").write_bytes(b"\x7fELF built")
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    out = native_build.cache_dir(False)
+    out.mkdir(parents=True)
+    (out / "half_written.o").write_bytes(b"\x7fE")  # what a killed compile leaves
+    path = native_build.build(cuda=False)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and "building the CPU kernels" in lines[0] and "built" in lines[1]
+    assert not (out / "half_written.o").exists() and native_build._problem(path) is None
+    native_build._loaded = None
+    assert native_build.build(cuda=False) == path  # a finished build: no compile, no output
+    assert capsys.readouterr().err == ""

@@ -329,6 +329,7 @@ def load() -> bool:
                 _loaded = library
                 return True
         _say(f"the cached library {library} is unusable ({problem}); rebuilding it once")
+        _stamp(library).unlink(missing_ok=True)  # so build() compiles instead of reloading it
         try:
             build(cuda=cuda)
         except Exception as exc:  # noqa: BLE001 -- any failure: keep the Python paths, say why
