@@ -39,7 +39,7 @@ from torch import Tensor
 
 from prime_ops.backends import import_backend
 from prime_ops.collectives import _all_to_all_sizes, _as_splits, _check_tensor, _run_checks
-from prime_ops.groups import Fingerprint, resolve
+from prime_ops.groups import Fingerprint, rank_local, resolve, resolve_name
 
 __all__ = [
     "BLOCK",
@@ -195,7 +195,8 @@ def _mxfp8_all_to_all_single(
     quantizer: str,
 ) -> Tensor:
     """Quantise rows of ``x``, all-to-all them as bytes, dequantise to ``x.dtype``."""
-    _check(x, scale_rule, quantizer)
+    with rank_local("mxfp8_all_to_all_single", resolve_name(group_name, "mxfp8_all_to_all_single")):
+        _check(x, scale_rule, quantizer)
     wire = _pack(x, scale_rule, quantizer)
     received = torch.ops.prime_rl_collectives.all_to_all_single(
         wire, output_splits, input_splits, group_name

@@ -327,6 +327,8 @@ def ring_attention(
     flags = []
 
     def check_locally(read_cu_seqlens: bool) -> None:
+        if not isinstance(q, Tensor):
+            raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
         scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
         flags[:] = (scale, float(softcap), backend)
         _check(q, k, v, cu_seqlens, max_seqlen, *flags)

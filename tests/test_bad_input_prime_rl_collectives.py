@@ -1,0 +1,139 @@
+"""Bad input to the ``prime_rl_collectives`` ops on 2 gloo ranks: every rank raises, none hangs.
+
+One multi-process run covers every case (process start and group set-up are paid once). Each
+group times out after 30 s, so a rank left waiting fails the test with a timeout instead of
+stalling CI; a case passes only when every rank raised the expected ``ValueError`` or
+``TypeError`` and the group is still in step afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_distributed
+
+from prime_ops import collectives as C
+from prime_ops.groups import CHECK_ENV, set_checked
+from prime_ops.mxfp8 import mxfp8_all_to_all_single
+
+OPS = torch.ops.prime_rl_collectives
+EVERY = "Every rank raises this error"
+WAITING = r"rank \d of 2 before sending anything; the other ranks may be waiting"
+
+
+def _raises(kind, message, call):
+    with pytest.raises(kind, match=message):
+        call()
+
+
+def _in_step(rank):
+    """Nothing half-started: the next collective pairs up."""
+    assert C.all_gather(torch.tensor([rank])).tolist() == [0, 1]
+
+
+def _checked_cases(rank):
+    """Checked mode: an error of any type raised on one rank before the exchange reaches every
+    rank (before, anything but a ValueError left the peer waiting the whole group timeout)."""
+    x = torch.ones(4, 3)
+    one = rank == 1
+    cases = [
+        (lambda: C.all_gather(x, dim="0" if one else 0), "rank 1 .*TypeError: all_gather: dim "
+         "must be an int, got str '0'"),
+        (lambda: C.all_to_all_single(x, [2, 2], [2, "2"] if one else [2, 2]),
+         r"rank 1 .*TypeError: input_splits must be a list of ints .*\[2, '2'\]"),
+        (lambda: C.reduce_scatter_sum(None if rank == 0 else x),
+         "rank 0 .*TypeError: reduce_scatter_sum: x must be a torch.Tensor, got NoneType"),
+        (lambda: C.all_to_all_single_equal(None if one else x), "rank 1 .*x must be a torch"),
+        (lambda: C.all_to_all_single(x, [2, 2], torch.tensor([2.0, 2.0]) if one else [2, 2]),
+         "rank 1 .*ValueError: input_splits must be an integer"),
+        (lambda: mxfp8_all_to_all_single(torch.ones(4, 33 if one else 32), [2, 2], [2, 2]),
+         "rank 1 .*multiple of 32"),
+        (lambda: mxfp8_all_to_all_single(None if one else torch.ones(4, 32), [2, 2], [2, 2]),
+         "rank 1 .*TypeError: mxfp8_all_to_all_single: x must be a torch.Tensor"),
+        # valid on each rank, but not together: what default mode cannot see (issue 24)
+        (lambda: C.all_to_all_single(x, [2, 3], [2, 2] if rank == 0 else [1, 3]),
+         r"rank 1 sends 1 rows to rank 0 .* but rank 0 expects 3"),
+        (lambda: C.all_gather(torch.ones(2, 2), dim=rank),
+         "dim must be the same on every rank; got rank 0: 0, rank 1: 1"),
+        (lambda: mxfp8_all_to_all_single(x.new_ones(4, 32), [2, 2], [2, 2],
+         scale_rule="floor" if one else "rceil"), "scale_rule must be the same on every rank"),
+    ]  # fmt: skip
+    for call, message in cases:
+        _raises(ValueError, f"{message}.*{EVERY}", call)
+        _in_step(rank)
+    return len(cases)
+
+
+def _mode_cases(rank):
+    """The mode is the group's: ranks that disagree all raise instead of pairing a fingerprint
+    exchange with a collective (before: all-to-all hung, all_gather aborted gloo)."""
+    agreement = r"checked mode must be the same on every rank of the group; got rank 0: on, "
+    _raises(ValueError, agreement + "rank 1: off", lambda: set_checked(rank == 0))
+    _raises(
+        ValueError,
+        f"rank 1 .*TypeError.*{EVERY}",
+        lambda: C.all_gather(torch.ones(1) if rank == 0 else [1]),
+    )
+    fresh = dist.new_group()  # the environment variable, read at the group's first call
+    if rank == 0:
+        os.environ[CHECK_ENV] = "1"
+    try:
+        _raises(
+            ValueError,
+            agreement + f"rank 1: off \\(from {CHECK_ENV}\\)",
+            lambda: C.all_gather(torch.ones(2), group=fresh),
+        )
+    finally:
+        os.environ.pop(CHECK_ENV, None)
+    assert C.all_gather(torch.tensor([rank]), group=fresh).tolist() == [0, 1]  # now both off
+    return 3
+
+
+def _default_cases(rank, name):
+    """Default mode: every rank makes the same bad call (so no one is left waiting); the error
+    names the argument, and says the peers may be waiting, whatever its type."""
+    x = torch.ones(4, 3)
+    cases = [
+        (TypeError, lambda: C.all_gather(x, dim="0"), "dim must be an int, got str"),
+        (TypeError, lambda: C.all_gather(x, dim=1.0), "dim must be an int, got float"),
+        (TypeError, lambda: C.all_to_all_single(x, [1, "1"], [2, 2]), "output_splits must be"),
+        (TypeError, lambda: C.all_to_all_single(x, [2, 2], [2.5, 1.5]), "input_splits must be"),
+        (TypeError, lambda: C.all_to_all_single(x, [2, 2], [True, 3]), "input_splits must be"),
+        (TypeError, lambda: C.all_to_all_single(x, 4, [2, 2]), "output_splits must be a list"),
+        (TypeError, lambda: C.reduce_scatter_sum(None), "x must be a torch.Tensor, got None"),
+        (TypeError, lambda: C.all_to_all_single(None, [0, 0], [0, 0]), "x must be a torch"),
+        (TypeError, lambda: mxfp8_all_to_all_single(None, [0, 0], [0, 0]), "x must be a torch"),
+        (ValueError, lambda: mxfp8_all_to_all_single(torch.ones(2, 33), [1, 1], [1, 1]), "32"),
+        # the raw ops: the same checks, inside the op
+        (ValueError, lambda: OPS.all_gather(x, 5, name), r"dim=5 is out of range"),
+        (ValueError, lambda: OPS.reduce_scatter_sum(torch.ones(3), 0, name), "not divisible"),
+        (ValueError, lambda: OPS.all_to_all_single_equal(torch.ones(3), name), "not divisible"),
+        (ValueError, lambda: OPS.all_to_all_single(x, torch.tensor([2, 2]),
+         torch.tensor([3, 3]), name), r"input_splits \[3, 3\] sum to 6"),
+        (ValueError, lambda: OPS.all_to_all_single(x, torch.tensor([2, 2]),
+         torch.tensor([5, -1]), name), "negative"),
+        (ValueError, lambda: OPS.mxfp8_all_to_all_single(torch.ones(2, 32), torch.tensor([1, 1]),
+         torch.tensor([1, 1]), name, False, "round", "torch"), "scale_rule must be one of"),
+    ]  # fmt: skip
+    for kind, call, message in cases:
+        _raises(kind, f"{message}.*{WAITING}", call)
+    _in_step(rank)
+    return len(cases)
+
+
+def _body(rank, world):
+    name = dist.group.WORLD.group_name
+    counts = {"default": _default_cases(rank, name)}
+    set_checked(True)
+    counts["checked"] = _checked_cases(rank)
+    counts["mode"] = _mode_cases(rank)
+    set_checked(False)
+    _in_step(rank)
+    assert counts == {"default": 16, "checked": 10, "mode": 3}
+
+
+def test_bad_collective_calls_raise_on_every_rank():
+    run_distributed(_body, 2, timeout=60)
