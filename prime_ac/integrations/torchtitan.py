@@ -15,9 +15,9 @@ or the same settings as a config table, and gives each its meaning on prime_ac:
   forward of ``profile``; mm calls whose weight shape is that of a
   ``force_recompute_mm_shapes_by_fqns`` Linear replay.
 - ``MemoryBudgetAC``: torchtitan only hands ``memory_budget`` to the compile partitioner
-  (0 = full AC's activation memory, 1 = no AC's). Here ``targets="auto"`` keeps, per block,
-  the calls that save the most replay within that memory, measured on one step of ``profile``,
-  in eager and compiled code alike.
+  (0 = full AC's activation memory, 1 = no AC's). Here ``targets="auto"`` keeps the calls that
+  save the most replay within that memory (a fraction of the whole model's no-AC activation
+  memory, measured on one step of ``profile``), in eager and compiled code alike.
 
 Blocks are torchtitan's: the children of ``model.layers``. Applying again replaces the
 settings; ``None`` stops checkpointing.
@@ -278,8 +278,8 @@ def _apply_memory_budget(
     common: dict[str, Any],
     extra: dict[str, Any],
 ) -> list[str]:
-    """torchtitan's budget b, between full AC's memory (0) and no AC's (1), as bytes per block:
-    each block may keep its mandatory outputs plus an even share of b times the difference."""
+    """torchtitan's budget b, between full AC's memory (0) and no AC's (1), as prime_ac's: a
+    fraction of the whole model's no-AC activation memory, measured on one step."""
     if profile is None:
         raise ValueError(
             "MemoryBudgetAC needs profile=: a function that runs one forward of the model and "
@@ -288,10 +288,9 @@ def _apply_memory_budget(
     _check_fraction(settings.memory_budget)
     checkpoint_blocks(model, config=ACConfig(mode="full", **extra), **common)
     report = audit(model, profile)
-    spare = settings.memory_budget * max(report.held_bytes_no_ac - report.held_bytes, 0)
-    kept = report.block_kept_bytes()
-    per_block = {name: kept[name] + int(spare / len(kept)) for name in kept}
-    config = ACConfig(mode="selective", targets="auto", budget=per_block, **extra)
+    full, none = report.held_bytes, max(report.held_bytes_no_ac, 1)
+    fraction = min((full + settings.memory_budget * max(none - full, 0)) / none, 1.0)
+    config = ACConfig(mode="selective", targets="auto", budget=fraction, **extra)
     return checkpoint_blocks(model, config=config, profile=profile, **common)
 
 
