@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# What a release must pass (CI runs it after the suite):
+#
+# 1. python -m build (sdist and wheel) and twine check --strict, with the tools in .venv-release;
+# 2. the wheel installed into a fresh venv (torch==2.13.0 first, then the wheel with torch
+#    pinned), imported from outside the checkout with both __version__ equal to the project's
+#    version and no warning, and the README's "prime_ac in one page" example run there;
+# 3. pip resolves the `all` and `conformance` extras on this CPU machine (--dry-run);
+# 4. the sdist's own test suite, run in the unpacked sdist with .venv-test's packages (the sdist's
+#    prime_ac and prime_ops shadow the editable install of the checkout).
+#
+#   bash scripts/release_check.sh [PYTEST ARGS...]   (passed to step 4, e.g. -m "not slow")
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+echo "torch==2.13.0" >"$work/pin.txt"
+step() { echo "--- release check: $*" >&2; }
+
+step "1. build and twine check"
+if ! .venv-release/bin/python -c "import build, twine" 2>/dev/null; then
+    rm -rf .venv-release
+    python3 -m venv .venv-release
+    .venv-release/bin/pip install -qq build twine
+fi
+.venv-release/bin/python -m build -o "$work/dist" . >"$work/build.log" 2>&1 ||
+    { cat "$work/build.log"; exit 1; }
+.venv-release/bin/twine check --strict "$work"/dist/*
+wheel=$(echo "$work"/dist/*.whl)
+sdist=$(echo "$work"/dist/*.tar.gz)
+
+step "2. the wheel in a fresh venv, imported from $work"
+python3 -m venv "$work/venv"
+"$work/venv/bin/pip" install -qq torch==2.13.0
+"$work/venv/bin/pip" install -qq -c "$work/pin.txt" "$wheel"
+version=$(sed -n 's/^version = "\(.*\)"$/\1/p' pyproject.toml)
+cd "$work"
+"$work/venv/bin/python" - "$root" "$version" 2>"$work/import.err" <<'PY'
+import sys
+import prime_ac, prime_ops
+
+root, version = sys.argv[1:]
+for package in (prime_ac, prime_ops):
+    assert not package.__file__.startswith(root), f"{package.__name__} imported from {root}"
+    assert package.__version__ == version, (package.__name__, package.__version__, version)
+print(f"prime_ac and prime_ops {version} import from {prime_ac.__file__.rsplit('/', 2)[0]}")
+PY
+# The README's one-page example, as pasted.
+"$work/venv/bin/python" - "$root/README.md" >"$work/example.py" <<'PY'
+import re, sys
+section = open(sys.argv[1]).read().split("## prime_ac in one page", 1)[1]
+print(re.search(r"^```python\n(.*?)^```", section, re.M | re.S).group(1))
+PY
+"$work/venv/bin/python" "$work/example.py" 2>>"$work/import.err"
+if grep -i warn "$work/import.err"; then
+    echo "the installed package warns (above)" >&2
+    exit 1
+fi
+
+step "3. the extras resolve on this machine"
+"$work/venv/bin/pip" install -qq --dry-run -c "$work/pin.txt" "$wheel[all,conformance]"
+
+step "4. the sdist's test suite"
+mkdir "$work/sdist"
+tar -xzf "$sdist" -C "$work/sdist" --strip-components=1
+cd "$root"
+# shellcheck disable=SC1091
+. scripts/_venv.sh
+prime_ops_venv .venv-test 2.13.0 test
+cd "$work/sdist"
+python -c "import os, prime_ac; assert prime_ac.__file__.startswith(os.getcwd()), prime_ac.__file__"
+python -m pytest -p no:cacheprovider -n auto --durations=5 "$@"
