@@ -299,10 +299,11 @@ def _warn_on_own_checkpointing(model: nn.Module) -> None:
     shown = ", ".join(on[:3]) + ", ..." * (len(on) > 3)
     warnings.warn(
         f"prime_ac: {type(model).__name__} has its own gradient checkpointing on "
-        f"(gradient_checkpointing=True on {shown}); its checkpoint regions would wrap "
-        f"prime_ac's and replay the blocks twice. Call {off} before "
-        "prime_ac.checkpoint_blocks (with a transformers Trainer: gradient_checkpointing=False "
-        "in its arguments).",
+        f"(gradient_checkpointing=True on {shown}): two checkpoint layers. diffusers and "
+        "transformers 4.x nest their regions around prime_ac's and replay each block twice; "
+        "transformers 5.x stands down, but prime_ac.audit's no-AC baseline becomes its "
+        f"checkpointing. Call {off} before prime_ac.checkpoint_blocks (with a transformers "
+        "Trainer: gradient_checkpointing=False in its arguments).",
         stacklevel=3,
     )
 
