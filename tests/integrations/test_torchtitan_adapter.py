@@ -164,3 +164,10 @@ def test_memory_budget_needs_a_profile():
 def test_debug_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="debug=True"):
         adapter.apply_ac(titan_models.build("llama3"), FullAC.Config(debug=True))
+
+
+def test_a_model_torchtitan_already_checkpointed_is_refused():
+    model = titan_models.build("llama3")
+    SelectiveAC.Config().build().apply(model)
+    with pytest.raises(ValueError, match="CheckpointWrapper"):
+        adapter.apply_ac(model, SelectiveAC.Config(), profile=titan_models.loss)
