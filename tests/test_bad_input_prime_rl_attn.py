@@ -55,7 +55,7 @@ def _raw_args(change):
     return tuple(args.values())
 
 
-@pytest.mark.parametrize(("change", "message"), RAW, ids=[str(c) for c, _ in RAW])
+@pytest.mark.parametrize(("change", "message"), RAW, ids=[",".join(c) for c, _ in RAW])
 def test_varlen_refused_alike_by_front_fake_and_op(change, message):
     args = _raw_args(change)
     with pytest.raises(ValueError, match=message):
