@@ -44,6 +44,7 @@ __all__ = [
     "storage_key",
     "tree_flatten",
     "tree_leaves",
+    "top_saved_tensors_hooks",
     "tree_unflatten",
     "version",
     "written_arguments",
@@ -268,3 +269,12 @@ def storage_key(op: Any, args: tuple) -> Any:
     if op is INDUCTOR_COMPILED_CODE and args and _resolve_inductor_callable is not None:
         return (op, _resolve_inductor_callable(args[0]).idx)
     return op
+
+
+def top_saved_tensors_hooks() -> tuple[Any, Any] | None:
+    """The innermost ``(pack, unpack)`` saved-tensor hooks in effect, or None.
+
+    torch._C._autograd._top_saved_tensors_default_hooks (2.0-2.14), what saved_tensors_hooks
+    pushes onto. Public replacement: none (torch.autograd.graph can push hooks, not read them).
+    """
+    return torch._C._autograd._top_saved_tensors_default_hooks(True)

@@ -29,10 +29,11 @@ from prime_ac.blocks import (
 )
 from prime_ac.actions import Action
 from prime_ac.measure import operator_flops, track_step_by_device
-from prime_ac.modes import KeepMode, ReplayMode
+from prime_ac.modes import ReplayMode
 from prime_ac.store import RegionStore
 from prime_ac.scopes import ScopeTracker
 from prime_ac.targets import TargetSet, operator_key
+from prime_ac.watch import MeasuringKeepMode
 
 __all__ = ["AuditReport", "CallRecord", "OpRecord", "audit", "op_name"]
 
@@ -100,6 +101,19 @@ class AuditReport:
     # from the accelerator to the host; kept outputs of selective regions stay where they were
     held_bytes_by_device: dict[str, int] = field(default_factory=dict)
     held_bytes_no_ac_by_device: dict[str, int] = field(default_factory=dict)
+    # per block: bytes of the kept results (each storage once), and what autograd would hold
+    # for the block without checkpointing (the tensors it saves that the block created)
+    block_held_bytes: dict[str, int] = field(default_factory=dict)
+    block_held_bytes_no_ac: dict[str, int] = field(default_factory=dict)
+
+    def blocks_worse_than_no_ac(self) -> list[str]:
+        """Blocks whose kept results reach what no AC would hold for them: checkpointing them
+        this way costs memory and compute both."""
+        return [
+            block
+            for block, kept in self.block_held_bytes.items()
+            if kept > 0 and kept >= self.block_held_bytes_no_ac.get(block, 0)
+        ]
 
     def block_kept_bytes(self) -> dict[str, int]:
         kept: dict[str, int] = defaultdict(int)
@@ -187,6 +201,8 @@ class AuditReport:
             f"replayed: {self.replayed_ops} operator calls, {self.replayed_flops / 1e6:.2f} MFLOP "
             f"({self.replayed_flops / max(self.forward_flops, 1):.1%} of one forward)",
             "targets that matched nothing: " + (", ".join(self.unmatched_targets) or "none"),
+            "blocks holding at least what no AC holds for them: "
+            + (", ".join(self.blocks_worse_than_no_ac()) or "none"),
         ]
         return "\n".join(lines)
 
@@ -202,6 +218,7 @@ class _Recorder:
         self.by_position: dict[tuple[str, Any, int], CallRecord] = {}
         self.seen: set[Any] = set()
         self.scopes = ScopeTracker()  # hooks on the blocks while recording: each call's module
+        self.block_bytes: dict[str, tuple[int, int]] = {}  # block -> (kept, held without AC)
 
     def record(self, block: str, op: Any, decision: str) -> OpRecord:
         # a budget plan can keep some calls of an overload and replay others: one row each
@@ -211,7 +228,7 @@ class _Recorder:
         return self.ops[key]
 
 
-class _AuditKeepMode(KeepMode):
+class _AuditKeepMode(MeasuringKeepMode):
     def __init__(self, store, rules, recorder: _Recorder, state: BlockCheckpoint):
         super().__init__(store, rules)
         self.recorder, self.state = recorder, state
@@ -236,6 +253,9 @@ class _AuditKeepMode(KeepMode):
         self.recorder.calls[self.state.name].append(call)
         self.recorder.by_position[(self.state.name, func, index)] = call
         return out
+
+    def measured(self) -> None:
+        self.recorder.block_bytes[self.state.name] = (self.kept_bytes, self.no_ac_bytes)
 
 
 class _AuditReplayMode(ReplayMode):
@@ -299,6 +319,25 @@ def _recording_contexts(state: BlockCheckpoint, recorder: _Recorder):
     return contexts
 
 
+def _checked_loss(loss_fn: LossFn) -> LossFn:
+    def checked(model: nn.Module) -> torch.Tensor:
+        loss = loss_fn(model)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+            shown = (
+                f"a tensor of shape {tuple(loss.shape)} with requires_grad={loss.requires_grad}"
+                if isinstance(loss, torch.Tensor)
+                else f"{type(loss).__name__} {loss!r:.80}"
+            )
+            raise TypeError(
+                f"audit(model, loss_fn): loss_fn must return the loss of one forward, a "
+                f"one-element tensor that requires grad, to run backward on; it returned {shown}. "
+                "Reduce it (loss.sum() / loss.mean()) and compute it with gradients enabled."
+            )
+        return loss
+
+    return checked
+
+
 @contextmanager
 def _grads_preserved(model: nn.Module) -> Iterator[None]:
     # backward accumulates into an existing .grad in place, so the audit starts from None
@@ -325,7 +364,18 @@ def audit(model: nn.Module, loss_fn: LossFn) -> AuditReport:
         report = prime_ac.audit(model, lambda m: m.loss(batch))
         print(report)                 # a table; report.to_json() for tools
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"audit(model, loss_fn): model must be a torch.nn.Module wrapped by "
+            f"prime_ac.checkpoint_blocks, got {type(model).__name__} {model!r:.80}"
+        )
+    if not callable(loss_fn):
+        raise TypeError(
+            f"audit(model, loss_fn): loss_fn={loss_fn!r:.80} is not callable: pass a function "
+            "that runs one forward and returns the loss, e.g. lambda m: m(batch).loss"
+        )
     blocks = _checkpointed_blocks(model)
+    loss_fn = _checked_loss(loss_fn)
     with _grads_preserved(model):
         with checkpointing_disabled(model):
             held_none, forward_flops = track_step_by_device(model, loss_fn)
@@ -356,4 +406,6 @@ def audit(model: nn.Module, loss_fn: LossFn) -> AuditReport:
         calls=dict(recorder.calls),
         held_bytes_by_device=held,
         held_bytes_no_ac_by_device=held_none,
+        block_held_bytes={b: kept for b, (kept, _) in recorder.block_bytes.items()},
+        block_held_bytes_no_ac={b: no_ac for b, (_, no_ac) in recorder.block_bytes.items()},
     )

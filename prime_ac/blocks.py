@@ -215,8 +215,8 @@ class _CheckpointedBlock(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         state: BlockCheckpoint = getattr(self, _STATE)
-        if not state.active:
-            return super().forward(*args, **kwargs)
+        if not state.active or (state.plan is not None and not state.plan.checkpointed):
+            return super().forward(*args, **kwargs)  # a budget plan may leave a block plain
         if state.plan is not None and torch.compiler.is_compiling():
             raise RuntimeError(
                 f'prime_ac: {state.name} uses a targets="auto" plan, which is keyed on the '

@@ -3,14 +3,22 @@
 From one profiled step in full mode, every operator call that the recompute re-executed is an
 item: keeping it costs the bytes of its outputs (held from forward to backward) and saves its
 FLOPs (not replayed in backward). Calls the recompute never reaches (it stops once backward has
-what it needs) save nothing and are never chosen. Per block, prime_ac solves this 0/1 knapsack exactly over the
-Pareto frontier of (bytes, FLOPs) and keeps the chosen calls, identified as the same operator
-overload at the same position in the block's forward (the way checkpoint replay itself is
-keyed). Mandatory operators are kept regardless and their bytes are charged first.
+what it needs) save nothing and are never chosen. Mandatory operators are kept regardless and
+their bytes are charged first. A block has one more choice: no checkpoint at all, which holds
+what autograd saves for it (measured on the same step) and replays nothing; so no block is
+planned to hold more than no AC for it while replaying something.
 
-Because the solution is exact, a larger budget never replays more (estimated) FLOPs, and any
-rule that keeps calls within the same bytes - such as "every other matmul" - is a feasible
-point the knapsack can only match or beat.
+Per block, the exact Pareto frontier of (bytes, FLOPs saved) is computed by dynamic programming.
+A budget in bytes (an int, or a ``{block: bytes}`` mapping) picks the best point of each block's
+frontier within its bytes. A fraction is of the whole model's activation memory without AC: the
+blocks' frontiers are combined, and the combination saving the most FLOPs within the fraction's
+bytes, less what the model holds whatever the blocks keep (their inputs, activations outside
+the blocks), is chosen.
+
+Chosen calls are identified as the same operator overload at the same position in the block's
+forward (the way checkpoint replay itself is keyed). Because the solution is exact, a larger
+budget never replays more (estimated) FLOPs, and any rule that keeps calls within the same
+bytes - such as "every other matmul" - is a feasible point the planner can only match or beat.
 """
 
 from __future__ import annotations
@@ -35,7 +43,6 @@ __all__ = [
     "BlockPlan",
     "budget_context_fn",
     "choose_calls",
-    "per_block_budget",
     "plan_block",
     "plan_budget",
 ]
@@ -48,10 +55,11 @@ class BlockPlan:
     block: str
     budget_bytes: int
     kept: tuple[tuple[str, int], ...]  # (operator overload, call index in the block's forward)
-    kept_bytes: int  # chosen calls plus mandatory operators
+    kept_bytes: int  # chosen calls plus mandatory operators (no checkpoint: what autograd saves)
     replayed_flops: int  # of the calls left to replay
     # (submodule path, operator, "kept" / "replayed" / "mandatory") of every profiled call
     calls: tuple[tuple[str, str, str], ...] = field(default=(), repr=False, compare=False)
+    checkpointed: bool = True  # False: the block runs without checkpointing
 
     def as_targets(self) -> list[str]:
         """Scoped targets that keep exactly the calls this plan keeps, for a config file.
@@ -68,6 +76,12 @@ class BlockPlan:
             plan = prime_ac.blocks.checkpoint_state(model.layers[0]).plan
             print(plan.as_targets())  # ['attention.wq/aten::mm.default', ...]
         """
+        if not self.checkpointed:
+            raise ValueError(
+                f"{self.block}: the plan does not checkpoint this block (no AC holds less for it "
+                "than any selective choice), so it has no target list: leave the block out of "
+                "checkpoint_blocks (blocks=...)"
+            )
         scopes: dict[str, dict[str, set[bool]]] = defaultdict(lambda: defaultdict(set))
         for scope, op, decision in self.calls:
             if decision != "mandatory":
@@ -105,12 +119,9 @@ class BlockPlan:
                 )
 
 
-def choose_calls(items: Sequence[tuple[int, int]], capacity: int) -> list[int]:
-    """Indices of ``(bytes, flops)`` items maximising total FLOPs with total bytes <= capacity.
-
-    Exact: dynamic programming over the Pareto frontier of (bytes used, FLOPs saved); among
-    equally good choices the one using the fewest bytes wins.
-    """
+def _frontier(items: Sequence[tuple[int, int]], capacity: int) -> dict[int, tuple[int, tuple]]:
+    """``{bytes used: (FLOPs saved, chosen item indices)}`` of every Pareto-optimal choice of
+    ``(bytes, flops)`` items within ``capacity`` bytes (exact dynamic programming)."""
     frontier: dict[int, tuple[int, tuple[int, ...]]] = {0: (0, ())}
     for i, (size, flops) in enumerate(items):
         if flops <= 0 or size > capacity:
@@ -120,58 +131,116 @@ def choose_calls(items: Sequence[tuple[int, int]], capacity: int) -> list[int]:
             total = used + size
             if total <= capacity and saved + flops > grown.get(total, (-1,))[0]:
                 grown[total] = (saved + flops, (*chosen, i))
-        frontier, best = {}, -1
-        for used in sorted(grown):  # drop points that use more bytes for no more FLOPs
-            if grown[used][0] > best:
-                frontier[used], best = grown[used], grown[used][0]
+        frontier = _pareto(grown)
+    return frontier
+
+
+def _pareto(points: dict[int, tuple]) -> dict[int, tuple]:
+    """Drop points that use more bytes for no more FLOPs saved."""
+    kept, best = {}, -1
+    for used in sorted(points):
+        if points[used][0] > best:
+            kept[used], best = points[used], points[used][0]
+    return kept
+
+
+def choose_calls(items: Sequence[tuple[int, int]], capacity: int) -> list[int]:
+    """Indices of ``(bytes, flops)`` items maximising total FLOPs with total bytes <= capacity.
+
+    Exact; among equally good choices the one using the fewest bytes wins.
+    """
+    frontier = _frontier(items, capacity)
     return list(frontier[max(frontier)][1])
 
 
-def per_block_budget(budget: Any, held_bytes_no_ac: int, n_blocks: int, block: str = "") -> int:
-    """Bytes for one block: an int is bytes per block; a float is that fraction of an even share
-    of the no-AC activation memory; a mapping gives each block (by qualified name) its bytes."""
-    if isinstance(budget, Mapping):
-        if block not in budget:
-            raise ValueError(f"budget has no entry for checkpointed block {block!r}")
-        budget = budget[block]
-        if isinstance(budget, float):
-            raise ValueError(f"budget[{block!r}]={budget!r}: per-block budgets are bytes (int)")
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget < 0:
-        raise ValueError(
-            f"budget={budget!r} must be bytes per block (int >= 0), a fraction of the no-AC "
-            "activation memory (float in [0, 1]), or a {block name: bytes} mapping"
+def _block_bytes(budget: int | Mapping[str, int], block: str) -> int:
+    """A block's bytes under a budget in bytes (validated by ``ACConfig``)."""
+    return budget[block] if isinstance(budget, Mapping) else budget
+
+
+@dataclass(frozen=True)
+class _Option:
+    """One way to run a block: bytes held, FLOPs not replayed, the calls kept (None: no AC)."""
+
+    bytes: int
+    saved: int
+    kept: tuple[int, ...] | None
+
+
+class _Block:
+    """One profiled block and its Pareto-optimal options."""
+
+    def __init__(self, name: str, calls: list[Any], no_ac_bytes: int | None, capacity: int):
+        self.name, self.calls = name, calls
+        self.mandatory = sum(c.bytes for c in calls if c.decision == "mandatory")
+        self.candidates = [
+            c for c in calls if c.replayed and c.flops > 0 and not schema_is_mutable(c.op)
+        ]
+        self.replayable = sum(c.flops for c in calls if c.replayed)
+        frontier = _frontier([(c.bytes, c.flops) for c in self.candidates], capacity)
+        options = [_Option(self.mandatory + used, saved, kept) for used, (saved, kept) in
+                   frontier.items()]
+        if no_ac_bytes is not None and self.replayable > 0:
+            options.append(_Option(no_ac_bytes, self.replayable, None))
+        best = _pareto({o.bytes: (o.saved, o) for o in options})
+        self.options = [option for _, option in best.values()]
+
+    def plan(self, option: _Option, budget_bytes: int) -> BlockPlan:
+        if option.kept is None:
+            return BlockPlan(
+                self.name, budget_bytes, (), option.bytes, 0, self._calls(set()), False
+            )
+        kept = [self.candidates[i] for i in option.kept]
+        chosen = {(c.op, c.index) for c in kept}
+        candidates = sum(c.flops for c in self.candidates)
+        return BlockPlan(
+            block=self.name,
+            budget_bytes=budget_bytes,
+            kept=tuple((c.op, c.index) for c in kept),
+            kept_bytes=option.bytes,
+            replayed_flops=candidates - sum(c.flops for c in kept),
+            calls=self._calls(chosen),
         )
-    if isinstance(budget, float):
-        if budget > 1:
-            raise ValueError(f"budget={budget!r}: a fraction must lie in [0, 1]; bytes are an int")
-        return int(budget * held_bytes_no_ac / n_blocks)
-    return budget
 
-
-def plan_block(block: str, calls: list[Any], capacity: int) -> BlockPlan:
-    """Knapsack over one block's profiled calls (``prime_ac.audit.CallRecord``)."""
-    mandatory = sum(c.bytes for c in calls if c.decision == "mandatory")
-    candidates = [c for c in calls if c.replayed and c.flops > 0 and not schema_is_mutable(c.op)]
-    chosen = choose_calls([(c.bytes, c.flops) for c in candidates], max(capacity - mandatory, 0))
-    kept = [candidates[i] for i in chosen]
-    chosen_calls = {(c.op, c.index) for c in kept}
-    return BlockPlan(
-        block=block,
-        budget_bytes=capacity,
-        kept=tuple((c.op, c.index) for c in kept),
-        kept_bytes=mandatory + sum(c.bytes for c in kept),
-        replayed_flops=sum(c.flops for c in candidates) - sum(c.flops for c in kept),
-        calls=tuple(
+    def _calls(self, chosen: set) -> tuple[tuple[str, str, str], ...]:
+        return tuple(
             (
                 c.scope,
                 op_name(c.op),
                 "mandatory"
                 if c.decision == "mandatory"
-                else ("kept" if (c.op, c.index) in chosen_calls else "replayed"),
+                else ("kept" if (c.op, c.index) in chosen else "replayed"),
             )
-            for c in calls
-        ),
-    )
+            for c in self.calls
+        )
+
+
+def plan_block(
+    block: str, calls: list[Any], capacity: int, no_ac_bytes: int | None = None
+) -> BlockPlan:
+    """The best plan for one block's profiled calls (``prime_ac.audit.CallRecord``) within
+    ``capacity`` bytes; with ``no_ac_bytes``, no checkpoint is one of the choices."""
+    planned = _Block(block, calls, no_ac_bytes, capacity)
+    fitting = [o for o in planned.options if o.bytes <= capacity] or planned.options[:1]
+    return planned.plan(max(fitting, key=lambda o: (o.saved, -o.bytes)), capacity)
+
+
+def _plan_whole_model(blocks: list[_Block], capacity: int) -> dict[str, BlockPlan]:
+    """Each block's option, together saving the most FLOPs within ``capacity`` bytes."""
+    combined: dict[int, tuple[int, tuple[_Option, ...]]] = {0: (0, ())}
+    for block in blocks:
+        grown: dict[int, tuple[int, tuple[_Option, ...]]] = {}
+        for used, (saved, picks) in combined.items():
+            for option in block.options:
+                total = used + option.bytes
+                if total <= capacity and saved + option.saved > grown.get(total, (-1,))[0]:
+                    grown[total] = (saved + option.saved, (*picks, option))
+        if not grown:  # the mandatory bytes alone exceed the budget: keep only those
+            grown = {used + block.options[0].bytes: (saved, (*picks, block.options[0]))
+                     for used, (saved, picks) in combined.items()}
+        combined = _pareto(grown)
+    _, picks = combined[max(combined)]
+    return {b.name: b.plan(o, o.bytes) for b, o in zip(blocks, picks, strict=True)}
 
 
 def budget_context_fn(
@@ -198,8 +267,17 @@ def plan_budget(
     Returns ``{block name: plan}``; the model is left as it was (the caller applies the plans).
     """
     report = audit(model, profile)
-    plans = {}
-    for name in report.blocks:
-        capacity = per_block_budget(budget, report.held_bytes_no_ac, len(report.blocks), name)
-        plans[name] = plan_block(name, report.calls.get(name, []), capacity)
-    return plans
+    calls = {name: report.calls.get(name, []) for name in report.blocks}
+    no_ac = report.block_held_bytes_no_ac
+    if isinstance(budget, float):
+        held = {name: sum(c.bytes for c in calls[name] if c.decision == "mandatory")
+                for name in report.blocks}
+        # what the full-mode model holds whatever its blocks keep beyond the mandatory set
+        base = report.held_bytes - sum(held.values())
+        capacity = max(int(budget * report.held_bytes_no_ac) - base, 0)
+        blocks = [_Block(name, calls[name], no_ac.get(name), capacity) for name in report.blocks]
+        return _plan_whole_model(blocks, capacity)
+    return {
+        name: plan_block(name, calls[name], _block_bytes(budget, name), no_ac.get(name))
+        for name in report.blocks
+    }

@@ -31,10 +31,11 @@ from prime_ac.blocks import (
 )
 from prime_ac.budget import budget_context_fn, plan_budget
 from prime_ac.config import ACConfig
-from prime_ac.contexts import context_fn
+from prime_ac.contexts import block_context_fn
 from prime_ac.policy import make_policy
 from prime_ac.scopes import scope_problems, split_targets, untrack
-from prime_ac.targets import TargetSet
+from prime_ac.targets import TargetSet, translate_composites
+from prime_ac.watch import Watch
 
 __all__ = ["checkpoint_blocks"]
 
@@ -110,7 +111,7 @@ def checkpoint_blocks(
     )
     named = config.targets if config.mode == "selective" and not auto else None
     _report(
-        TargetSet(split_targets(named or ())[0]).problems()
+        TargetSet(split_targets(translate_composites(named or ()))[0]).problems()
         + TargetSet(mandatory).problems(mandatory=True),
         strict,
     )
@@ -130,6 +131,13 @@ def checkpoint_blocks(
         _check_budget_names(config.budget, [name for name, _ in selected])
 
     chosen = {id(block) for _, block in selected}
+    # what the first step did, said once: named targets that matched nothing, blocks holding
+    # at least what no AC holds for them (prime_ac.watch)
+    watch = Watch(
+        [str(t) for t in policy.targets] if named is not None else [],
+        [name for name, _ in selected],
+        strict,
+    )
     with changes_undone_on_error(model):
         for name, block in selected:
             wrap_block(
@@ -137,7 +145,7 @@ def checkpoint_blocks(
                 BlockCheckpoint(
                     name=name,
                     policy=policy,
-                    context_fn=context_fn(policy=policy, name=f"block {name!r}"),
+                    context_fn=block_context_fn(policy, name, watch),
                     preserve_rng_state=preserve_rng_state,
                     early_stop=config.early_stop,
                     determinism_check=config.determinism_check,

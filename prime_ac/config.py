@@ -116,8 +116,9 @@ def check_checkpoint_options(early_stop: Any, determinism_check: Any) -> None:
 
 
 def check_budget(budget: Any) -> None:
-    """Raise ValueError unless ``budget`` is bytes per block (int >= 0), a fraction of the no-AC
-    activation memory (finite float in [0, 1]) or a ``{block name: bytes}`` mapping."""
+    """Raise ValueError unless ``budget`` is bytes per block (int >= 0), a fraction of the whole
+    model's no-AC activation memory (finite float in [0, 1]) or a ``{block name: bytes}``
+    mapping."""
     if isinstance(budget, Mapping):
         for block, value in budget.items():
             if not isinstance(block, str):
@@ -129,8 +130,8 @@ def check_budget(budget: Any) -> None:
         return
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget < 0:
         raise ValueError(
-            f"budget={budget!r} must be bytes per block (int >= 0), a fraction of the no-AC "
-            "activation memory (float in [0, 1]), or a {block name: bytes} mapping"
+            f"budget={budget!r} must be bytes per block (int >= 0), a fraction of the whole "
+            "model's no-AC activation memory (float in [0, 1]), or a {block name: bytes} mapping"
         )
     if isinstance(budget, float) and not (math.isfinite(budget) and budget <= 1):
         raise ValueError(f"budget={budget!r}: a fraction must lie in [0, 1]; bytes are an int")

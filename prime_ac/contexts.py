@@ -20,9 +20,11 @@ from prime_ac import _compat
 from prime_ac.modes import KeepMode, ReplayMode, Rules
 from prime_ac.policy import Mode, OperatorPolicy, make_policy, target_list
 from prime_ac.store import KeptOutputMutatedError, RegionStore, ReplayMismatchError
+from prime_ac.watch import MeasuringKeepMode, Watch
 
 __all__ = [
     "KeptOutputMutatedError",
+    "block_context_fn",
     "ReplayMismatchError",
     "checkpoint_contexts",
     "context_fn",
@@ -47,7 +49,17 @@ def region_contexts(rules: Rules, name: str) -> tuple[Any, Any]:
             policy = functools.partial(_must_recompute, policy)
         return create_selective_checkpoint_contexts(policy)
     store = RegionStore(name)
-    return KeepMode(store, rules), ReplayMode(store, rules)
+    watched = rules.watch is not None and rules.watch.measures(rules.block)
+    keep = (MeasuringKeepMode if watched else KeepMode)(store, rules)
+    return keep, ReplayMode(store, rules)
+
+
+def block_context_fn(
+    policy: Any, block: str, watch: Watch | None = None, plan: Any = None
+) -> Callable[[], tuple[Any, Any]]:
+    """The ``context_fn`` of one block of a ``checkpoint_blocks`` configuration, reporting its
+    first step to ``watch`` (:mod:`prime_ac.watch`); ``plan`` as for :class:`Rules`."""
+    return checkpoint_contexts(Rules(policy, plan, watch, block), f"block {block!r}")
 
 
 def checkpoint_contexts(rules: Rules, name: str) -> Callable[[], tuple[Any, Any]]:

@@ -19,7 +19,7 @@ one dictionary lookup for the operators they replay):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -43,30 +43,31 @@ class Rules:
     """The :class:`Action` of each operator overload under one policy, decided on first sight.
 
     ``plan`` maps an operator to the call indices a budget plan keeps (:mod:`prime_ac.budget`).
-    ``writes`` holds, for each overload that writes an argument, which ones. ``seen``, when
-    given, is called with each overload the first time it is decided: how a configuration learns
-    which of its targets matched a call (:mod:`prime_ac.watch`).
+    ``writes`` holds, for each overload that writes an argument, which ones. ``watch`` (a
+    :class:`prime_ac.watch.Watch`) learns each overload the first time it is decided, and
+    ``block`` is the name it knows this region by.
     """
 
     def __init__(
         self,
         policy: Any,
         plan: Mapping[Any, frozenset[int]] | None = None,
-        seen: Callable[[Any], None] | None = None,
+        watch: Any = None,
+        block: str | None = None,
     ):
         self.policy = policy
         self.plan = dict(plan or {})
         self.actions: dict[Any, Action] = {}
         self.writes: dict[Any, tuple[tuple[int, str], ...] | None] = {}
-        self._seen = seen
+        self.watch, self.block = watch, block
         self._classify = policy.classify if isinstance(policy, OperatorPolicy) else None
 
     def action(self, op: Any) -> Action:
         action = self.actions.get(op)
         if action is None:
             action = self.actions[op] = self._decide(op)
-            if self._seen is not None and action is not _IGNORE:
-                self._seen(op)
+            if self.watch is not None and action is not _IGNORE:
+                self.watch.saw(op)
         return action
 
     def _decide(self, op: Any) -> Action:

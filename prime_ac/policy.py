@@ -21,6 +21,7 @@ from prime_ac.targets import (
     MANDATORY_TARGETS,
     TargetSet,
     operator_key,
+    translate_composites,
 )
 
 __all__ = ["MODES", "OperatorPolicy", "make_policy", "reads_device_into_host", "target_list"]
@@ -142,7 +143,7 @@ def make_policy(
         raise ValueError(f"mode={mode!r} is not a checkpoint mode: use one of {list(MODES)}")
     targets = DEFAULT_TARGETS if targets is None else target_list("targets", targets)
     mandatory = () if mandatory is None else target_list("mandatory", mandatory)
-    plain, scoped = split_targets(targets)
+    plain, scoped = split_targets(translate_composites(targets))
     target_set = TargetSet(plain)
     mandatory_set = TargetSet((*MANDATORY_TARGETS, *TargetSet(mandatory)))
     rules = ScopeRules(scoped, target_set) if scoped and mode == "selective" else None

@@ -28,6 +28,7 @@ __all__ = [
     "TargetSet",
     "operator_key",
     "registered_operators",
+    "translate_composites",
 ]
 
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
@@ -67,9 +68,36 @@ _COMMUNICATION = (
     "_c10d_functional::reduce_scatter_tensor",
 )
 
-DEFAULT_TARGETS: tuple[str, ...] = _ATTENTION + _MATMUL + _COMMUNICATION
-"""What ``mode="selective"`` keeps when ``targets`` is None: attention, matrix products and
-communication. Elementwise ops, norms, reshapes and RoPE replay."""
+# Compiled regions inside an eager block (torchtitan's compiled flex attention runs as one):
+# compute-dense kernels, kept as torchtitan's own save list keeps them.
+_COMPILED = ("higher_order::inductor_compiled_code",)
+
+DEFAULT_TARGETS: tuple[str, ...] = _ATTENTION + _MATMUL + _COMMUNICATION + _COMPILED
+"""What ``mode="selective"`` keeps when ``targets`` is None: attention, matrix products,
+communication and compiled regions. Elementwise ops, norms, reshapes and RoPE replay."""
+
+# CompositeImplicitAutograd operators decompose before any dispatch mode sees them: a target
+# naming one names what it dispatches on CPU and CUDA instead (trainers' lists name them:
+# torchtitan's names aten::linear).
+COMPOSITE_TRANSLATIONS: dict[str, tuple[str, ...]] = {
+    "aten::linear": ("aten::addmm", "aten::mm", "aten::bmm"),
+    "aten::matmul": ("aten::mm", "aten::bmm"),
+    "aten::scaled_dot_product_attention": _ATTENTION[:5],
+    "aten::_scaled_dot_product_attention_math": _ATTENTION[:5],
+}
+
+
+def translate_composites(targets: Iterable[str]) -> list[str]:
+    """``targets`` with each CompositeImplicitAutograd name in :data:`COMPOSITE_TRANSLATIONS`
+    replaced by the operators it dispatches (``aten::linear`` -> addmm, mm and bmm; the SDPA
+    front and its math path -> the fused SDPA kernels, each device's)."""
+    translated: list[str] = []
+    for target in targets:
+        name = target.split(".")[0] if isinstance(target, str) else target
+        for replacement in COMPOSITE_TRANSLATIONS.get(name, (target,)):
+            if replacement not in translated:
+                translated.append(replacement)
+    return translated
 
 MANDATORY_TARGETS: tuple[str, ...] = (
     "deepep",

@@ -151,22 +151,29 @@ def test_bad_mode_and_targets_name_the_fix():
 
 def test_unregistered_and_invisible_targets_are_reported_per_call(caplog, model_factory):
     caplog.set_level(logging.WARNING, logger="prime_ac")
-    targets = ["no_such_namespace_xyz", "aten::no_such_op", "aten::linear", "aten::mm.nope"]
+    targets = ["no_such_namespace_xyz", "aten::no_such_op", "aten::layer_norm", "aten::mm.nope"]
     prime_ac.checkpoint_blocks(model_factory(), mode="selective", targets=targets)
     text = caplog.text
     assert "'no_such_namespace_xyz' names a namespace with no registered operator" in text
     assert "'aten::no_such_op' names no registered operator" in text
-    assert "'aten::linear' is CompositeImplicitAutograd" in text
+    assert "'aten::layer_norm' is CompositeImplicitAutograd" in text
     assert "'aten::mm.nope' names no registered overload" in text
     caplog.clear()  # reported per call: the second model in a process is warned too
     prime_ac.checkpoint_blocks(model_factory(), mode="selective", targets=targets)
     assert "'aten::no_such_op' names no registered operator" in caplog.text
-    with pytest.raises(ValueError, match="aten::linear"):
+    with pytest.raises(ValueError, match="aten::layer_norm"):
         prime_ac.checkpoint_blocks(model_factory(), mode="selective", targets=targets, strict=True)
     # Registered, visible targets pass strict mode.
     prime_ac.checkpoint_blocks(
         model_factory(), mode="selective", targets=["aten::mm", "aten"], strict=True
     )
+
+
+def test_composite_names_trainers_use_are_translated_to_what_dispatches():
+    policy = make_policy("selective", ["aten::linear", "aten::_scaled_dot_product_attention_math"])
+    assert decide(policy, aten.addmm.default) is SAVE and decide(policy, aten.mm.default) is SAVE
+    assert decide(policy, aten._scaled_dot_product_flash_attention_for_cpu.default) is SAVE
+    assert "aten::linear" not in [str(t) for t in policy.targets]
 
 
 @pytest.fixture

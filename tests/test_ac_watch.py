@@ -1,0 +1,167 @@
+"""What a configuration says after its first step, and the budget in the user's units.
+
+- an op list that keeps nothing is reported (naming what the blocks called instead), and
+  ``strict=True`` raises;
+- a block whose kept results reach what no AC holds for it is warned about, and the audit
+  lists it; ``targets="auto"`` never plans such a block;
+- a fractional budget is a share of the whole model's activation memory without AC.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+
+import pytest
+import torch
+from ac_models import assert_bitwise_equal
+from torch import nn
+
+import prime_ac
+from prime_ac.actions import Action
+from prime_ac.blocks import checkpoint_state
+from prime_ac.models import build_model
+
+
+class Biased(nn.Module):
+    """Biased linears dispatch aten::addmm, never aten::mm."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class LoRA(nn.Module):
+    """A frozen base projection with a trainable low-rank adapter (peft's LoRA on a frozen base):
+    autograd saves almost nothing for the frozen matmuls, selective keeps all their outputs."""
+
+    def __init__(self, dim: int = 64, rank: int = 2):
+        super().__init__()
+        self.base = nn.ModuleList(nn.Linear(dim, dim) for _ in range(3))
+        for p in self.base.parameters():
+            p.requires_grad_(False)
+        self.a = nn.Linear(dim, rank, bias=False)
+        self.b = nn.Linear(rank, dim, bias=False)
+
+    def forward(self, x):
+        for base in self.base:
+            x = base(x) + 0.5 * x
+        return x + self.b(self.a(x))
+
+
+def grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _stack(block, n=2):
+    torch.manual_seed(0)
+    return nn.Sequential(*(block() for _ in range(n)))
+
+
+def _step(model, x):
+    model(x).square().sum().backward()
+
+
+def test_an_op_list_that_matches_nothing_is_reported_with_what_was_called(caplog):
+    caplog.set_level(logging.WARNING, logger="prime_ac")
+    model, x = _stack(Biased), torch.randn(4, 16, requires_grad=True)
+    targets = ["aten::mm", "aten::_scaled_dot_product_flash_attention"]
+    prime_ac.checkpoint_blocks(model, mode="selective", targets=targets)
+    caplog.clear()  # what is said when wrapping is another matter
+    _step(model, x)
+    text = caplog.text
+    assert "'aten::mm' (the blocks called aten::addmm" in text
+    assert "'aten::_scaled_dot_product_flash_attention'" in text
+    caplog.clear()
+    _step(model, x)  # once per configuration
+    assert "matched no operator call" not in caplog.text
+
+
+def test_matching_targets_are_silent(caplog):
+    caplog.set_level(logging.WARNING, logger="prime_ac")
+    model, x = _stack(Biased), torch.randn(4, 16)
+    prime_ac.checkpoint_blocks(model, mode="selective", targets=["aten::addmm", "aten::gelu"])
+    _step(model, x)
+    assert "matched no operator call" not in caplog.text
+
+
+def test_strict_raises_on_the_first_step_for_targets_that_kept_nothing():
+    model, x = _stack(Biased), torch.randn(4, 16)
+    prime_ac.checkpoint_blocks(model, mode="selective", targets=["aten::mm"], strict=True)
+    with pytest.raises(ValueError, match=r"'aten::mm'.*aten::addmm.*strict=True"):
+        _step(model, x)
+
+
+def test_a_block_keeping_more_than_no_ac_is_warned_about_and_audited():
+    model, x = _stack(LoRA), torch.randn(8, 64, requires_grad=True)
+    reference = copy.deepcopy(model)
+    _step(reference, x)
+    prime_ac.checkpoint_blocks(model, mode="selective")
+    with pytest.warns(UserWarning, match=r"block '0' keeps .* without checkpointing autograd"):
+        _step(model, x)
+    assert_bitwise_equal(grads(model), grads(reference))
+    report = prime_ac.audit(model, lambda m: m(x).square().sum())
+    assert report.blocks_worse_than_no_ac() == ["0", "1"]
+    assert "blocks holding at least what no AC holds for them: 0, 1" in str(report)
+
+
+def test_full_mode_on_the_same_blocks_says_nothing():
+    model, x = _stack(LoRA), torch.randn(8, 64, requires_grad=True)
+    prime_ac.checkpoint_blocks(model, mode="full")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _step(model, x)
+
+
+def test_auto_never_plans_a_block_above_no_ac():
+    model, x = _stack(LoRA), torch.randn(8, 64, requires_grad=True)
+    reference = copy.deepcopy(model)
+    _step(reference, x)
+
+    def loss(m):
+        return m(x).square().sum()
+
+    for budget in (10**9, 1.0):  # bytes for anything per block; the whole model's no-AC memory
+        wrapped = copy.deepcopy(model)
+        prime_ac.checkpoint_blocks(
+            wrapped, mode="selective", targets="auto", budget=budget, profile=loss
+        )
+        report = prime_ac.audit(wrapped, loss)
+        plans = [checkpoint_state(block).plan for block in wrapped]
+        if budget == 10**9:  # no checkpoint fits each block, holds least there, replays nothing
+            assert [p.checkpointed for p in plans] == [False, False]
+            assert report.replayed_flops == 0
+        assert report.held_bytes <= report.held_bytes_no_ac
+        assert report.blocks_worse_than_no_ac() == []
+        for plan in plans:
+            assert plan.checkpointed or plan.replayed_flops == 0
+        wrapped.zero_grad(set_to_none=True)
+        _step(wrapped, x)
+        assert_bitwise_equal(grads(wrapped), grads(reference))
+
+
+@pytest.mark.parametrize("budget", [0.3, 0.5])
+def test_a_fraction_budget_is_of_the_whole_models_memory(budget):
+    model = build_model("dense", n_layers=2)
+    tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+
+    def loss(m):
+        return m.loss(tokens)
+
+    full = copy.deepcopy(model)
+    prime_ac.checkpoint_blocks(full, mode="full")
+    full_share = prime_ac.audit(full, loss)
+    prime_ac.checkpoint_blocks(model, mode="selective", targets="auto", budget=budget, profile=loss)
+    report = prime_ac.audit(model, loss)
+    assert full_share.held_bytes < report.held_bytes <= budget * report.held_bytes_no_ac
+    assert report.replayed_flops < full_share.replayed_flops
+
+
+def test_compiled_regions_are_kept_by_default():
+    hop = torch._higher_order_ops.wrap.inductor_compiled_code
+    assert prime_ac.make_policy("selective").classify(hop) is Action.KEEP
+    assert prime_ac.make_policy("full").classify(hop) is Action.REPLAY
