@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -50,7 +51,8 @@ __all__ = [
 
 CHECK_ENV = "PRIME_OPS_CHECK_COLLECTIVES"
 _OFF = ("", "0", "false", "no", "off")
-_modes: dict[str, bool] = {}  # group_name -> the mode every rank of the group agreed on
+# group -> the mode its ranks agreed on (by object: a re-created group may reuse the name)
+_modes: weakref.WeakKeyDictionary[dist.ProcessGroup, bool] = weakref.WeakKeyDictionary()
 
 
 def _env_mode() -> bool:
@@ -89,7 +91,7 @@ def set_checked(enabled: bool, group: dist.ProcessGroup | None = None) -> None:
     same ``enabled``; ranks that disagree all raise ``ValueError`` and the mode stays as it was.
     """
     group = resolve(group, "set_checked")
-    _modes[group.group_name] = _agree_on_mode(group, bool(enabled), "set_checked")
+    _modes[group] = _agree_on_mode(group, bool(enabled), "set_checked")
 
 
 def checked_mode(group: dist.ProcessGroup) -> bool:
@@ -98,9 +100,9 @@ def checked_mode(group: dist.ProcessGroup) -> bool:
     while compiling (the exchange reads its result on the host)."""
     if torch.compiler.is_compiling():
         return False
-    mode = _modes.get(group.group_name)
+    mode = _modes.get(group)
     if mode is None:
-        mode = _modes[group.group_name] = _agree_on_mode(group, _env_mode(), CHECK_ENV)
+        mode = _modes[group] = _agree_on_mode(group, _env_mode(), CHECK_ENV)
     return mode
 
 
