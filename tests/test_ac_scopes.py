@@ -236,7 +236,9 @@ def test_own_regions_take_scoped_targets_once_the_region_is_tracked():
 
 def test_a_budget_plan_reapplied_as_scoped_targets_keeps_the_same_calls():
     model = _dense()
-    prime_ac.checkpoint_blocks(model, mode="selective", targets="auto", budget=40_000, profile=_loss)
+    prime_ac.checkpoint_blocks(
+        model, mode="selective", targets="auto", budget=40_000, profile=_loss
+    )
     plan = checkpoint_state(model.layers[0]).plan
     planned = prime_ac.audit(model, _loss)
     targets = plan.as_targets()
