@@ -98,7 +98,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> merge_attn_states_backward(
           const auto dot = [&](const scalar_t* x) {
             return lane_sum<acc>(dim, [&](int64_t d) {
               const acc a = static_cast<acc>(oa[row + d]), b = static_cast<acc>(ob[row + d]);
-              return static_cast<acc>(g[row + d]) * (static_cast<acc>(x[row + d]) - (wa * a + wb * b));
+              const acc merged = wa * a + wb * b;
+              return static_cast<acc>(g[row + d]) * (static_cast<acc>(x[row + d]) - merged);
             });
           };
           const acc dot_a = dot(oa), dot_b = dot(ob);

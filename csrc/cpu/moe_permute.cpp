@@ -128,7 +128,8 @@ void gather_sum(const scalar_t* rows, const int64_t* row_map, const weight_t* w,
       for (int64_t k = 0; k < top_k; ++k) slots[k] = k;
       if (w == nullptr) {
         const int64_t* map = row_map + t * top_k;
-        std::sort(slots.begin(), slots.end(), [&](int64_t a, int64_t b) { return map[a] < map[b]; });
+        std::sort(slots.begin(), slots.end(),
+                  [&](int64_t a, int64_t b) { return map[a] < map[b]; });
       }
       for (int64_t k : slots) {
         const int64_t r = row_map[t * top_k + k];
@@ -239,7 +240,9 @@ std::tuple<Tensor, Tensor> moe_unpermute_backward(Tensor grad_out, Tensor y_sort
           const acc wk = static_cast<acc>(w[t * top_k + k]);
           const scalar_t* yr = y + r * dim;
           scalar_t* gr = gy + r * dim;
-          for (int64_t d = 0; d < dim; ++d) gr[d] = static_cast<scalar_t>(wk * static_cast<acc>(gt[d]));
+          for (int64_t d = 0; d < dim; ++d) {
+            gr[d] = static_cast<scalar_t>(wk * static_cast<acc>(gt[d]));
+          }
           const acc dot = lane_sum<acc>(
               dim, [&](int64_t d) { return static_cast<acc>(gt[d]) * static_cast<acc>(yr[d]); });
           gw[t * top_k + k] = static_cast<weight_t>(dot);
