@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint
 
-from prime_ac.contexts import context_fn
+from prime_ac.contexts import block_context_fn
 from prime_ac.policy import OperatorPolicy
 from prime_ac.scopes import retrack, untrack
 
@@ -95,7 +95,7 @@ class BlockCheckpoint:
 def _restored_state(policy: Any, settings: tuple | None, fields: dict[str, Any]) -> BlockCheckpoint:
     if settings is not None:
         policy = OperatorPolicy(*settings)
-        fields["context_fn"] = context_fn(policy=policy, name=f"block {fields['name']!r}")
+        fields["context_fn"] = block_context_fn(policy, fields["name"])
     return BlockCheckpoint(policy=policy, **fields)
 
 
