@@ -7,6 +7,7 @@ budget planner share.
 from __future__ import annotations
 
 import enum
+
 import torch
 
 from prime_ac import _compat

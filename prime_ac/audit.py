@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from prime_ac._compat import tree_leaves
+from prime_ac.actions import Action
 from prime_ac.blocks import (
     BlockCheckpoint,
     checkpoint_state,
@@ -27,11 +28,10 @@ from prime_ac.blocks import (
     wrap_block,
     wrapped_blocks,
 )
-from prime_ac.actions import Action
 from prime_ac.measure import operator_flops, track_step_by_device
 from prime_ac.modes import ReplayMode
-from prime_ac.store import RegionStore
 from prime_ac.scopes import ScopeTracker
+from prime_ac.store import RegionStore
 from prime_ac.targets import TargetSet, operator_key
 from prime_ac.watch import MeasuringKeepMode
 

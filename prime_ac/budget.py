@@ -178,8 +178,9 @@ class _Block:
         ]
         self.replayable = sum(c.flops for c in calls if c.replayed)
         frontier = _frontier([(c.bytes, c.flops) for c in self.candidates], capacity)
-        options = [_Option(self.mandatory + used, saved, kept) for used, (saved, kept) in
-                   frontier.items()]
+        options = [
+            _Option(self.mandatory + used, saved, kept) for used, (saved, kept) in frontier.items()
+        ]
         if no_ac_bytes is not None and self.replayable > 0:
             options.append(_Option(no_ac_bytes, self.replayable, None))
         best = _pareto({o.bytes: (o.saved, o) for o in options})
@@ -236,8 +237,10 @@ def _plan_whole_model(blocks: list[_Block], capacity: int) -> dict[str, BlockPla
                 if total <= capacity and saved + option.saved > grown.get(total, (-1,))[0]:
                     grown[total] = (saved + option.saved, (*picks, option))
         if not grown:  # the mandatory bytes alone exceed the budget: keep only those
-            grown = {used + block.options[0].bytes: (saved, (*picks, block.options[0]))
-                     for used, (saved, picks) in combined.items()}
+            grown = {
+                used + block.options[0].bytes: (saved, (*picks, block.options[0]))
+                for used, (saved, picks) in combined.items()
+            }
         combined = _pareto(grown)
     _, picks = combined[max(combined)]
     return {b.name: b.plan(o, o.bytes) for b, o in zip(blocks, picks, strict=True)}
@@ -270,8 +273,10 @@ def plan_budget(
     calls = {name: report.calls.get(name, []) for name in report.blocks}
     no_ac = report.block_held_bytes_no_ac
     if isinstance(budget, float):
-        held = {name: sum(c.bytes for c in calls[name] if c.decision == "mandatory")
-                for name in report.blocks}
+        held = {
+            name: sum(c.bytes for c in calls[name] if c.decision == "mandatory")
+            for name in report.blocks
+        }
         # what the full-mode model holds whatever its blocks keep beyond the mandatory set
         base = report.held_bytes - sum(held.values())
         capacity = max(int(budget * report.held_bytes_no_ac) - base, 0)

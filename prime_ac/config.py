@@ -87,6 +87,13 @@ class ACConfig:
         ``memory_budget``, ``mode = "memory_budget"``, ...) is read by
         :func:`prime_ac.integrations.torchtitan.config_from_table`.
         """
+        if not isinstance(table, Mapping):
+            raise TypeError(
+                f"ACConfig.from_dict(table): table must be a mapping of settings such as "
+                f"{{'mode': 'selective', 'freq': 1}} (a parsed TOML table), got "
+                f"{type(table).__name__} {table!r:.80}; for a string, parse it first "
+                "(tomllib.loads) or pass ACConfig(mode=...)"
+            )
         # imported here: the integration sits on top of the package and imports this module
         from prime_ac.integrations import torchtitan
 

@@ -112,7 +112,7 @@ def context_fn(
     return functools.partial(_named_contexts, mode, targets, mandatory, name)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _rules_for(mode: str, targets: tuple | None, mandatory: tuple) -> Rules:
     """One :class:`Rules` per setting, shared by the regions of every context_fn with it (the
     rules are a pure function of the setting; sharing them decides each overload once)."""

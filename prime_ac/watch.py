@@ -160,7 +160,9 @@ class MeasuringKeepMode(KeepMode):
             self._hooks.__exit__(*exc)
         if exc[0] is None:
             kept = _storages(
-                t for entries in self.store.entries.values() for e in entries.values()
+                t
+                for entries in self.store.entries.values()
+                for e in entries.values()
                 for t in e.tensors
             )
             self.kept_bytes = sum(kept.values())

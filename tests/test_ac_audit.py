@@ -13,6 +13,7 @@ import torch
 from ac_models import CountingModel, assert_bitwise_equal, grads
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 
 import prime_ac
 from prime_ac.__main__ import main as cli
@@ -247,3 +248,29 @@ def test_audit_of_a_budget_plan_splits_an_operator_by_decision(dense_step):
     kept = next(r for r in mm if r.decision == "kept")
     assert kept.replays == 0 and kept.kept_bytes > 0
     assert "block " in str(report) and "layers.1" in str(report)
+
+
+@pytest.mark.parametrize(
+    "loss_fn, message",
+    [
+        (None, r"loss_fn=None is not callable"),
+        (lambda m: m.loss_terms(), r"one-element tensor.*shape \(2,\)"),
+        (lambda m: m.loss_terms().sum().detach(), r"requires_grad=False"),
+    ],
+)
+def test_audit_names_a_bad_loss_fn(loss_fn, message):
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(4, 4)) for _ in range(2))
+
+        def loss_terms(self):
+            x = torch.ones(2, 4)
+            for layer in self.layers:
+                x = layer(x)
+            return x.sum(dim=1)
+
+    model = Model()
+    prime_ac.checkpoint_blocks(model, mode="full")
+    with pytest.raises(TypeError, match=message):
+        prime_ac.audit(model, loss_fn)

@@ -261,3 +261,25 @@ def test_checkpoint_blocks_takes_a_config(model_factory):
     names = prime_ac.checkpoint_blocks(model, config=ACConfig("full", 2))
     assert names == ["layers.0", "layers.2"]
     assert model.layers[0]._prime_ac.policy.mode == "full"
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: make_policy("selective", targets=5), r"targets=5 is not a list of targets"),
+        (lambda: ACConfig.from_dict(None), r"table must be a mapping.*got NoneType"),
+        (lambda: ACConfig.from_dict([]), r"table must be a mapping.*got list"),
+        (lambda: ACConfig.from_dict("mode=full"), r"got str 'mode=full'.*tomllib"),
+        (lambda: prime_ac.audit(None, lambda m: 0), r"model must be a torch.nn.Module"),
+        (lambda: prime_ac.audit("m", lambda m: 0), r"got str 'm'"),
+    ],
+)
+def test_bad_arguments_raise_errors_naming_the_argument(call, message):
+    with pytest.raises(TypeError, match=message):
+        call()
+
+
+def test_mandatory_none_adds_nothing():
+    assert list(make_policy("full", mandatory=None).mandatory) == list(
+        make_policy("full").mandatory
+    )
