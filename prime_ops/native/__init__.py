@@ -113,6 +113,14 @@ MAX_TOP_K = 4096
 MAX_ALIGNMENT = 65536
 
 
+def _contiguous(**named: Tensor) -> tuple[Tensor, ...]:
+    """The fronts' inputs, contiguous (as the kernels read them); anything but a tensor is named."""
+    for name, t in named.items():
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return tuple(t.contiguous() for t in named.values())
+
+
 def _check_float(name: str, t: Tensor) -> None:
     if t.dtype not in _FLOATS:
         raise TypeError(f"{name} must be float32, float64, bfloat16 or float16, got {t.dtype}")
@@ -389,7 +397,7 @@ def moe_permute(
 
     >>> x_sorted, row_map, counts = moe_permute(x, topk_idx, num_experts=8, alignment=128)
     """
-    x, topk_idx = x.contiguous(), topk_idx.contiguous()
+    x, topk_idx = _contiguous(x=x, topk_idx=topk_idx)
     _check_permute(x, topk_idx, num_experts, alignment)
     return torch.ops.prime_rl.moe_permute(x, topk_idx, num_experts, alignment)
 
@@ -403,7 +411,9 @@ def moe_unpermute(y_sorted: Tensor, row_map: Tensor, topk_weights: Tensor) -> Te
 
     >>> out = moe_unpermute(expert_out, row_map, topk_weights)  # [T, D]
     """
-    y_sorted, row_map, topk_weights = (t.contiguous() for t in (y_sorted, row_map, topk_weights))
+    y_sorted, row_map, topk_weights = _contiguous(
+        y_sorted=y_sorted, row_map=row_map, topk_weights=topk_weights
+    )
     _check_unpermute(y_sorted, row_map, topk_weights)
     return torch.ops.prime_rl.moe_unpermute(y_sorted, row_map, topk_weights)
 
@@ -420,7 +430,7 @@ def merge_attn_states(
 
     >>> out, lse = merge_attn_states(out, lse, step_out, step_lse)
     """
-    out_a, lse_a, out_b, lse_b = (t.contiguous() for t in (out_a, lse_a, out_b, lse_b))
+    out_a, lse_a, out_b, lse_b = _contiguous(out_a=out_a, lse_a=lse_a, out_b=out_b, lse_b=lse_b)
     _check_merge(out_a, lse_a, out_b, lse_b)
     return torch.ops.prime_rl.merge_attn_states(out_a, lse_a, out_b, lse_b)
 
@@ -438,6 +448,6 @@ def quantize_fp8_blockwise(
 
     >>> q, scale = quantize_fp8_blockwise(weight, block_rows=128, scale_format="ue8m0")
     """
-    x = x.contiguous()
+    (x,) = _contiguous(x=x)
     _check_quantize(x, block_rows, scale_format)
     return torch.ops.prime_rl.quantize_fp8_blockwise(x, block_rows, scale_format)
