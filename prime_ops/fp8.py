@@ -246,7 +246,10 @@ def grouped_fp8_gemm_nt(
 
 def _check_power_of_two(device: torch.device, *scales: torch.Tensor) -> None:
     if needs_ue8m0(device):  # queued on the device: no host sync
-        ok = torch.stack([(torch.frexp(s).mantissa == 0.5).all() for s in scales]).all()
+        # Non-finite scales (blocks holding NaN or inf) pass: they give NaN products, not a
+        # device-side assert that would leave the CUDA context unusable.
+        powers = [((torch.frexp(s).mantissa == 0.5) | ~s.isfinite()).all() for s in scales]
+        ok = torch.stack(powers).all()
         torch._assert_async(ok, "DeepGEMM on SM100+ needs power-of-two scales (ue8m0=True)")
 
 
