@@ -470,3 +470,13 @@ def test_prime_ac_recompute_of_fp8_gemm(monkeypatch, gen, mode, gemms):
     assert len(calls) == gemms
     for p, ref in zip(model.parameters(), expected, strict=True):
         torch.testing.assert_close(p.grad, ref)
+
+
+def test_power_of_two_check_lets_non_finite_scales_through(monkeypatch):
+    """On SM100 a block holding inf or NaN has a non-finite scale and gives NaN products; the
+    device-side check must not fire on it (a failed CUDA assert leaves the context unusable)."""
+    monkeypatch.setattr(fp8, "needs_ue8m0", lambda device: True)
+    cpu = torch.device("cpu")  # torch._assert_async raises at once on the CPU
+    fp8._check_power_of_two(cpu, torch.tensor([0.5, 2.0**-20, float("inf"), float("nan")]))
+    with pytest.raises(RuntimeError, match="power-of-two scales"):
+        fp8._check_power_of_two(cpu, torch.tensor([0.75, float("inf")]))
