@@ -342,15 +342,21 @@ class _Exit:
         return (_Exit, (self.tracker,))
 
 
-# Every tracker that may hold hooks, so that re-configuring or unwrapping a block removes the
-# hooks of the policy it had before (the block's settings hold that policy, but a block swapped
-# by another wrapper may have lost them). Weak: a tracker dies with its policy.
-_trackers: weakref.WeakSet[ScopeTracker] = weakref.WeakSet()
-
-
 def untrack(block: nn.Module) -> None:
-    """Remove every scope hook prime_ac installed on ``block``."""
-    for tracker in list(_trackers):
+    """Remove every scope hook prime_ac installed on ``block``.
+
+    The hooks are found on the block's modules, and each names its tracker: no registry of
+    trackers is needed, even for a block whose settings no longer name the policy it had
+    (swapped by another wrapper since).
+    """
+    trackers = {
+        hook.tracker
+        for module in block.modules()
+        for hooks in (module._forward_pre_hooks, module._forward_hooks)
+        for hook in hooks.values()
+        if isinstance(hook, (_Enter, _Exit))
+    }
+    for tracker in trackers:
         tracker.untrack(block)
 
 
@@ -383,7 +389,6 @@ class ScopeRules:
         self.needs_scope = any(t.scope for t in self.targets)
         self.tracker = ScopeTracker([t for t in self.targets if t.scope])
         self._stack = self.tracker.stack
-        _trackers.add(self.tracker)
         self._decisions: dict[tuple[int, str | None, int], bool] = {}
         _name_tags(self.targets)
 
