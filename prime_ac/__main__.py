@@ -23,7 +23,8 @@ def _fraction(text: str) -> float:
         value = -1.0
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a fraction in [0, 1] of the no-AC activation memory (e.g. 0.3)"
+            f"{text!r} is not a fraction in [0, 1] of the whole model's no-AC activation memory "
+            "(e.g. 0.3)"
         )
     return value
 
@@ -76,7 +77,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     audit.add_argument(
         "--budget",
         type=_fraction,
-        help="fraction of the no-AC activation memory each block may keep, e.g. 0.3 "
+        help="fraction of the whole model's no-AC activation memory it may hold, e.g. 0.3 "
         "(default: unset; needed with --targets auto, and only there)",
     )
     audit.add_argument(
