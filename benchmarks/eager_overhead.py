@@ -90,10 +90,6 @@ class _Llama(nn.Module):
     def layers(self) -> nn.ModuleList:
         return self.lm.model.layers
 
-    @layers.setter
-    def layers(self, layers: nn.ModuleList) -> None:
-        self.lm.model.layers = layers
-
     def loss(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.lm(input_ids=tokens, labels=tokens).loss
 
@@ -105,7 +101,10 @@ def _variant(base: nn.Module, name: str, compile_blocks: bool = False) -> nn.Mod
         if name == "torch_sac":
             policy = prime_ac.make_policy("selective")
             context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
-        model.layers = nn.ModuleList(_Region(block, context_fn) for block in model.layers)
+        regions = nn.ModuleList(_Region(block, context_fn) for block in model.layers)
+        # nn.Module.__setattr__ takes a module value before any property setter could
+        owner = model.lm.model if isinstance(model, _Llama) else model
+        owner.layers = regions
     elif name in ("full", "selective"):
         prime_ac.checkpoint_blocks(model, mode=name, blocks=_layers_path(model))
     if compile_blocks:  # after AC, as docs/checkpointing.md recommends

@@ -33,9 +33,27 @@ logger = logging.getLogger("prime_ac")
 
 # Operators a target may name where the block dispatches a sibling: a matmul as mm, addmm or bmm
 # by whether it has a bias or a batch; attention as the kernel of the device it runs on.
-_FAMILIES = (
-    {"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "_grouped_mm", "_scaled_mm"},
-)
+_MATMULS = {
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "addbmm",
+    "matmul",
+    "linear",
+    "_grouped_mm",
+    "_scaled_mm",
+}
+
+
+def _family(target: Target) -> str | None:
+    """The family of operators ``target`` belongs to, where lists name every member on purpose
+    (each device's attention kernel, mm beside addmm)."""
+    if target.op in _MATMULS:
+        return "matmul"
+    if target.op is not None and "scaled_dot_product" in target.op:
+        return "attention"
+    return None
 
 
 class Watch:
@@ -63,10 +81,12 @@ class Watch:
             self._report()
 
     def unmatched(self) -> list[str]:
+        """Targets that matched no call, less those whose family another target matched: a list
+        naming the CUDA and CPU attention kernels, or mm and addmm, does what it says."""
         keys = [operator_key(op) for op in self.seen]
-        return [
-            str(t) for t in self.targets if not any(TargetSet([str(t)]).matches(k) for k in keys)
-        ]
+        matched = {t for t in self.targets if any(TargetSet([str(t)]).matches(k) for k in keys)}
+        families = {_family(t) for t in matched} - {None}
+        return [str(t) for t in self.targets if t not in matched and _family(t) not in families]
 
     def _report(self) -> None:
         unmatched = self.unmatched()
@@ -104,7 +124,8 @@ class Watch:
         )
         names = [name.split("::")[1] for name in called]
         close = set(difflib.get_close_matches(parsed.op, names, n=3, cutoff=0.6))
-        close |= {n for family in _FAMILIES if parsed.op in family for n in names if n in family}
+        if parsed.op in _MATMULS:
+            close |= {n for n in names if n in _MATMULS}
         if not close:
             return ""
         instead = ", ".join(f"{parsed.namespace}::{n}" for n in sorted(close))

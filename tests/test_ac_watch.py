@@ -89,6 +89,17 @@ def test_matching_targets_are_silent(caplog):
     assert "matched no operator call" not in caplog.text
 
 
+def test_a_list_naming_each_devices_kernel_is_silent_where_one_matched(caplog):
+    """FastVideo-style lists name mm beside addmm and each device's SDPA kernel: the ones the
+    device does not call are not reported while a sibling matched."""
+    caplog.set_level(logging.WARNING, logger="prime_ac")
+    model, x = _stack(Biased), torch.randn(4, 16)
+    targets = ["aten::mm", "aten::addmm", "aten::gelu"]
+    prime_ac.checkpoint_blocks(model, mode="selective", targets=targets, strict=True)
+    _step(model, x)
+    assert "matched no operator call" not in caplog.text
+
+
 def test_strict_raises_on_the_first_step_for_targets_that_kept_nothing():
     model, x = _stack(Biased), torch.randn(4, 16)
     prime_ac.checkpoint_blocks(model, mode="selective", targets=["aten::mm"], strict=True)
