@@ -278,7 +278,8 @@ def _check_no_checkpoint_wrapper(model: nn.Module, selected: list[tuple[str, nn.
             f"checkpoint_blocks: {len(clashes)} selected block(s) are already checkpointed by "
             f"torch.distributed's CheckpointWrapper: {', '.join(clashes[:4])}. Two checkpoint "
             "layers would nest and replay every operator twice. Build the model without it "
-            "(torchtitan: activation_checkpoint.mode='none', then prime_ac), or keep the "
+            "(torchtitan 0.3.0: activation_checkpoint=None, then "
+            "prime_ac.integrations.torchtitan.apply_ac), or keep the "
             "CheckpointWrapper and leave these blocks out of blocks=."
         )
 
