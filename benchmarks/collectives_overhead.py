@@ -2,7 +2,7 @@
 
 Runs 2 gloo ranks on this machine. For each op and tensor size it times the custom-op front
 (``prime_ops.collectives``) against the torch.distributed call a trainer would write by hand
-(allocate the output, call the collective), and the front in checked mode (``checked=True``: a
+(allocate the output, call the collective), and the front on a checked group (``set_checked``: a
 fingerprint exchange before the collective, see ``prime_ops.groups``). Each round times a block
 of calls of each side, back to back, in rotating order; a ratio printed (custom / direct, checked
 / direct; 1.00 means no overhead) is the median over rounds of the paired ratios, which keeps
@@ -61,18 +61,18 @@ def _cases(numel: int, world: int):
     return [
         (
             "all_to_all_single",
-            lambda checked=False: C.all_to_all_single(x, rows, rows, checked=checked),
+            lambda group=None: C.all_to_all_single(x, rows, rows, group),
             a2a_direct,
         ),
         (
             "all_to_all_single_equal",
-            lambda checked=False: C.all_to_all_single_equal(x, checked=checked),
+            lambda group=None: C.all_to_all_single_equal(x, group),
             a2a_equal_direct,
         ),
-        ("all_gather", lambda checked=False: C.all_gather(x, checked=checked), gather_direct),
+        ("all_gather", lambda group=None: C.all_gather(x, group=group), gather_direct),
         (
             "reduce_scatter_sum",
-            lambda checked=False: C.reduce_scatter_sum(x, checked=checked),
+            lambda group=None: C.reduce_scatter_sum(x, group=group),
             scatter_direct,
         ),
     ]
@@ -89,12 +89,20 @@ def _per_call(fn, iters: int) -> float:
 def _rank_main(rank: int, init_file: str, rounds: int, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    from prime_ops.groups import set_checked
+
+    checked_group = dist.new_group()  # the mode is a group's setting: one group checks
+    set_checked(True, checked_group)
     try:
         rows = []
         for label, nbytes in SIZES.items():
             iters = 20 if nbytes < (1 << 20) else 4
             for name, front, direct in _cases(nbytes // 4, WORLD):
-                sides = {"direct": direct, "custom": front, "checked": lambda f=front: f(True)}
+                sides = {
+                    "direct": direct,
+                    "custom": front,
+                    "checked": lambda f=front: f(checked_group),
+                }
                 for fn in sides.values():  # warm-up: first-call registration and allocator
                     _per_call(fn, 3)
                 times = {side: [] for side in sides}
@@ -162,7 +170,7 @@ def main() -> None:
         return
     print(
         f"prime_rl_collectives eager overhead, {WORLD} gloo ranks (custom op / torch.distributed; "
-        "checked: checked=True / torch.distributed)"
+        "checked: a set_checked(True) group / torch.distributed)"
     )
     print(
         f"{'op':<26}{'size':>8}{'direct us':>11}{'custom us':>11}{'checked us':>12}"
