@@ -21,13 +21,13 @@ from real_models import CASES, HELD_RATIOS, ONE_LAYER_CASES  # noqa: E402
 import prime_ac  # noqa: E402
 
 # A user's own list: the GEMMs with and without bias (nn.Linear, GPT-2's Conv1D), no attention.
-# Not strict: a model calls one of the two or both, and strict=True refuses a target that no
-# block calls on the first step.
+# Strict: a model calls one of the two or both, and a matmul target is not reported while another
+# of its family matched.
 CUSTOM_TARGETS = ["aten::mm", "aten::addmm"]
 SETTINGS = {
     "full": dict(mode="full"),
     "selective": dict(mode="selective"),
-    "custom": dict(mode="selective", targets=CUSTOM_TARGETS),
+    "custom": dict(mode="selective", targets=CUSTOM_TARGETS, strict=True),
 }
 
 
