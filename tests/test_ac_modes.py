@@ -246,3 +246,45 @@ def test_a_region_on_one_thread_leaves_other_threads_alone():
         thread.join()
         torch.mm(torch.ones(2, 2), torch.ones(2, 2))
     assert keep.store.forward_calls == {torch.ops.aten.mm.default: 1}
+
+
+def _eager_benchmark():
+    import importlib.util
+
+    path = ROOT / "benchmarks" / "eager_overhead.py"
+    spec = importlib.util.spec_from_file_location("eager_overhead", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_eager_benchmark_reports_every_variant_and_the_blocks_operator_calls():
+    """The benchmark's own code, in-process on the smallest model (no timing is asserted): its
+    rows carry every variant, its operator count is what a mode sees in the blocks' forward, and
+    its per-operator table has both modes of both libraries."""
+    from prime_ac.models import build_model
+
+    bench = _eager_benchmark()
+    row = bench.measure("moe", 16, steps=1, warmup=0)
+    assert row["steps"] == 16  # x16 below dim 256
+    assert set(row["vs_plain"]) == set(bench.VARIANTS) and row["vs_plain"]["plain"] == 1.0
+    model = build_model("moe", dim=16, hidden_dim=16)
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 17))
+    assert row["ops"] == bench._block_forward_ops(model, tokens) > 0
+    cost = bench.per_operator_cost(calls=20, rounds=1)
+    sides = {
+        f"{lib} {side} {kind}"
+        for lib in ("torch_sac", "prime_ac")
+        for side in ("forward", "recompute")
+        for kind in ("replayed", "kept")
+    }
+    assert sides <= set(cost)
+
+
+def test_eager_benchmark_wraps_the_llama_blocks_in_every_variant():
+    pytest.importorskip("transformers")
+    bench = _eager_benchmark()
+    base = bench._Llama(64)
+    names = {n: type(bench._variant(base, n).layers[0]).__name__ for n in bench.VARIANTS}
+    assert names["plain"] == names["torch_sac"] == "_Region"
+    assert names["full"] == names["selective"] == "CheckpointedLlamaDecoderLayer"

@@ -37,7 +37,6 @@ REPOSITORY = "https://github.com/prime-ops/prime-ops/blob/main/"
 PENDING = {
     "docs/attention.md": "a block uses an undefined model; a multi-process block is unmarked",
     "docs/backends.md": "a block needs a process group; a block uses an undefined model",
-    "docs/checkpointing.md": "blocks use undefined names (f, block, loss, model classes)",
     "docs/collectives.md": "blocks use undefined names; multi-process blocks are unmarked",
     "docs/native.md": "a block uses an undefined x",
 }
