@@ -34,12 +34,7 @@ REPOSITORY = "https://github.com/prime-ops/prime-ops/blob/main/"
 
 # Files whose blocks do not run yet, as found when this test was written (undefined names, CUDA
 # or several processes unmarked); strict: once a file runs, its entry must go.
-PENDING = {
-    "docs/attention.md": "a block uses an undefined model; a multi-process block is unmarked",
-    "docs/backends.md": "a block needs a process group; a block uses an undefined model",
-    "docs/collectives.md": "blocks use undefined names; multi-process blocks are unmarked",
-    "docs/native.md": "a block uses an undefined x",
-}
+PENDING: dict[str, str] = {}
 
 # Runs in the child: exec each block in one namespace; a failure prints where and exits 1.
 RUNNER = """
