@@ -17,7 +17,6 @@ These are the primitives; :func:`prime_ac.checkpoint_blocks` decides what to wra
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 import logging
 import re
@@ -291,9 +290,20 @@ def _call(forward: Callable[..., Any], kwargs: dict, *args: Any) -> Any:
 _CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "layer_past", "cache_params", "state")
 
 
-@functools.cache
+# Per block class, filled when a block is wrapped (eagerly), so that a compiled forward only
+# reads it: torch.compile traces a dict lookup, where it warns about a functools.cache wrapper.
+_cache_positions_of: dict[type, tuple[tuple[int, str], ...]] = {}
+
+
 def _cache_positions(cls: type) -> tuple[tuple[int, str], ...]:
     """``(index, name)`` of the positional parameters of ``cls.forward`` named as a cache."""
+    positions = _cache_positions_of.get(cls)
+    if positions is None:
+        positions = _cache_positions_of[cls] = _find_cache_positions(cls)
+    return positions
+
+
+def _find_cache_positions(cls: type) -> tuple[tuple[int, str], ...]:
     try:
         parameters = list(inspect.signature(cls.forward).parameters.values())[1:]  # self
     except (TypeError, ValueError):
@@ -404,6 +414,7 @@ def wrap_block(block: nn.Module, state: BlockCheckpoint) -> None:
     else:
         original = type(block)
         block.__class__ = _wrapper_class(original)
+    _cache_positions(original)
     setattr(block, _STATE, dataclasses.replace(state, original_class=original))
 
 
