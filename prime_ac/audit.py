@@ -28,7 +28,7 @@ from prime_ac.blocks import (
     wrap_block,
     wrapped_blocks,
 )
-from prime_ac.measure import operator_flops, track_step_by_device
+from prime_ac.measure import operator_flops, track_step_by_block, track_step_by_device
 from prime_ac.modes import ReplayMode
 from prime_ac.scopes import ScopeTracker
 from prime_ac.store import RegionStore
@@ -101,8 +101,9 @@ class AuditReport:
     # from the accelerator to the host; kept outputs of selective regions stay where they were
     held_bytes_by_device: dict[str, int] = field(default_factory=dict)
     held_bytes_no_ac_by_device: dict[str, int] = field(default_factory=dict)
-    # per block: bytes of the kept results (each storage once), and what autograd would hold
-    # for the block without checkpointing (the tensors it saves that the block created)
+    # per block: bytes of the kept results (each storage once), and what the block holds for
+    # backward without checkpointing (the storages its forward created alive when backward
+    # starts, measured by the no-AC step)
     block_held_bytes: dict[str, int] = field(default_factory=dict)
     block_held_bytes_no_ac: dict[str, int] = field(default_factory=dict)
 
@@ -378,7 +379,7 @@ def audit(model: nn.Module, loss_fn: LossFn) -> AuditReport:
     loss_fn = _checked_loss(loss_fn)
     with _grads_preserved(model):
         with checkpointing_disabled(model):
-            held_none, forward_flops = track_step_by_device(model, loss_fn)
+            held_none, block_none, forward_flops = track_step_by_block(model, loss_fn, dict(blocks))
         recorder = _Recorder()
         with _recording(blocks, recorder), recorder.scopes.tracking(b for _, b in blocks):
             held, _ = track_step_by_device(model, loss_fn)
@@ -407,5 +408,5 @@ def audit(model: nn.Module, loss_fn: LossFn) -> AuditReport:
         held_bytes_by_device=held,
         held_bytes_no_ac_by_device=held_none,
         block_held_bytes={b: kept for b, (kept, _) in recorder.block_bytes.items()},
-        block_held_bytes_no_ac={b: no_ac for b, (_, no_ac) in recorder.block_bytes.items()},
+        block_held_bytes_no_ac=block_none,
     )

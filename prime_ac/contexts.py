@@ -65,10 +65,14 @@ def block_context_fn(
 def checkpoint_contexts(rules: Rules, name: str) -> Callable[[], tuple[Any, Any]]:
     """A ``context_fn`` applying ``rules``, one store per checkpointed call.
 
-    A ``functools.partial`` of a module function, as torch's own SAC helper is used, so that
-    torch.compile can trace a ``checkpoint`` call given it.
+    A function object, which torch.compile takes as a constant when it traces a ``checkpoint``
+    given it (torch 2.9 refuses a ``functools.partial`` holding ``rules``).
     """
-    return functools.partial(region_contexts, rules, name)
+
+    def contexts() -> tuple[Any, Any]:
+        return region_contexts(rules, name)
+
+    return contexts
 
 
 def context_fn(

@@ -8,12 +8,14 @@ operators, so differences against the unwrapped step are the replayed work.
 
 from __future__ import annotations
 
+import functools
 import gc
 import time
 import weakref
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,6 +36,7 @@ __all__ = [
     "operator_flops",
     "storages",
     "track_step",
+    "track_step_by_block",
     "track_step_by_device",
 ]
 
@@ -121,6 +124,8 @@ class StorageTracker(TorchDispatchMode):
         super().__init__()
         self._storages: dict[int, weakref.ref] = {}
         self._preexisting: dict[int, weakref.ref] = {}
+        self.owner: str | None = None  # who creates the storages now (see track_step_by_block)
+        self._owners: dict[int, str | None] = {}
 
     def exclude(self, tensors) -> None:
         """Storages that existed before (parameters, inputs) are never counted, views included."""
@@ -142,6 +147,7 @@ class StorageTracker(TorchDispatchMode):
                 # gathered parameters so): track the storage living there now.
                 if not _lives_at(self._preexisting, ptr) and not _lives_at(self._storages, ptr):
                     self._storages[ptr] = weakref.ref(storage)
+                    self._owners[ptr] = self.owner
         return out
 
     def forget(self, tensors) -> None:
@@ -161,14 +167,28 @@ class StorageTracker(TorchDispatchMode):
         hold nothing and name no device: torch 2.9's checkpoint (not 2.13's) makes a 0-element
         tensor per checkpointed call (``_NoopSaveInputs``'s output), which must not add a
         ``"cpu": 0``."""
-        gc.collect()
         held: dict[str, int] = {}
-        for ref in self._storages.values():
+        for storage in self._alive().values():
+            device = str(storage.device)
+            held[device] = held.get(device, 0) + storage.nbytes()
+        return dict(sorted(held.items()))
+
+    def held_bytes_by_owner(self) -> dict[str | None, int]:
+        """Held bytes per owner: the storages created while ``owner`` was set to it."""
+        held: dict[str | None, int] = {}
+        for ptr, storage in self._alive().items():
+            owner = self._owners.get(ptr)
+            held[owner] = held.get(owner, 0) + storage.nbytes()
+        return held
+
+    def _alive(self) -> dict[int, torch.UntypedStorage]:
+        gc.collect()
+        alive = {}
+        for ptr, ref in self._storages.items():
             storage = ref()
             if storage is not None and storage.nbytes() > 0:
-                device = str(storage.device)
-                held[device] = held.get(device, 0) + storage.nbytes()
-        return dict(sorted(held.items()))
+                alive[ptr] = storage
+        return alive
 
 
 class OpCounter(TorchDispatchMode):
@@ -228,6 +248,43 @@ def track_step_by_device(
     held = tracker.held_bytes_by_device()
     loss.backward()
     return held, counter.flops
+
+
+def track_step_by_block(
+    model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor], blocks: dict[str, nn.Module]
+) -> tuple[dict[str, int], dict[str, int], int]:
+    """:func:`track_step_by_device`, plus the held bytes each of ``blocks`` (by name) created.
+
+    Run without checkpointing, a block's share is what autograd holds for it without AC: the
+    storages its forward created that are alive when backward starts (its inputs excluded).
+    """
+    tracker, counter = StorageTracker(), OpCounter()
+    tracker.exclude([*model.parameters(), *model.buffers()])
+    hooks = []
+    for name, block in blocks.items():
+        hooks.append(block.register_forward_pre_hook(functools.partial(_own, tracker, name)))
+        hooks.append(
+            block.register_forward_hook(functools.partial(_disown, tracker), always_call=True)
+        )
+    try:
+        with tracker, counter:
+            loss = loss_fn(model)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    tracker.forget([loss, *model.parameters(), *model.buffers()])
+    held = tracker.held_bytes_by_device()
+    by_owner = tracker.held_bytes_by_owner()
+    loss.backward()
+    return held, {name: by_owner.get(name, 0) for name in blocks}, counter.flops
+
+
+def _own(tracker: StorageTracker, name: str, module: nn.Module, args: Any) -> None:
+    tracker.owner = name
+
+
+def _disown(tracker: StorageTracker, module: nn.Module, args: Any, out: Any) -> None:
+    tracker.owner = None
 
 
 def measure_step(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor]) -> StepStats:

@@ -8,8 +8,9 @@ forward, the watch reports:
 
 - targets that matched no call in any block, naming what the blocks dispatched instead where it
   is close (``aten::mm`` named, ``aten::addmm`` called); ``strict=True`` raises instead;
-- blocks whose kept results reach what no AC holds for them: selective checkpointing there
-  costs memory and compute both.
+- blocks whose kept results exceed what no AC holds for them: selective checkpointing there
+  costs memory and compute both (the audit, which measures no AC by running it, lists the
+  blocks that reach it).
 
 Later forwards pay nothing for this: they run the plain :class:`~prime_ac.modes.KeepMode`.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import difflib
 import logging
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -100,7 +102,7 @@ class Watch:
                 raise ValueError(message + " (strict=True)")
             logger.warning(message)
         for block, (kept, no_ac) in self.bytes.items():
-            if kept > 0 and kept >= no_ac:
+            if kept > no_ac:
                 warnings.warn(
                     f"prime_ac: checkpointed block {block!r} keeps {_mib(kept)} of operator "
                     f"results for backward, while without checkpointing autograd would hold "
@@ -149,13 +151,15 @@ def _storages(tensors: Any) -> dict[int, int]:
 class MeasuringKeepMode(KeepMode):
     """A watched block's first forward: :class:`KeepMode`, plus what no AC would hold for it.
 
-    torch's checkpoint has installed its saved-tensor hooks when this mode enters; a pair on
-    top records each tensor autograd saves and hands it on to checkpoint's own hooks, so the
-    checkpoint behaves exactly as without the measurement.
+    Without AC a block holds, when its forward returns, the tensors autograd saved and the other
+    tensors its forward created that are still alive (its output), as the audit's no-AC step
+    counts them. torch's checkpoint has installed its saved-tensor hooks when this mode enters;
+    a pair on top records each tensor autograd saves and hands it on to checkpoint's own hooks, so
+    the checkpoint behaves exactly as without the measurement.
     """
 
     def __enter__(self):
-        self._created: set[int] = set()
+        self._created: dict[int, weakref.ref] = {}
         self._saved: dict[int, int] = {}
         pack, unpack = _compat.top_saved_tensors_hooks() or (_detached, _same)
 
@@ -170,8 +174,12 @@ class MeasuringKeepMode(KeepMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = super().__torch_dispatch__(func, types, args, kwargs)
         # storages this call created: a view (of a parameter, say) shares its input's
-        created = _storages(_compat.tree_leaves(out)).keys() - _storages(args).keys()
-        self._created.update(created)
+        inputs = _storages(args)
+        for leaf in _compat.tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                sid = _compat.storage_id(leaf)
+                if sid is not None and sid not in inputs:
+                    self._created[sid] = weakref.ref(leaf)
         return out
 
     def __exit__(self, *exc: Any):
@@ -187,7 +195,10 @@ class MeasuringKeepMode(KeepMode):
                 for t in e.tensors
             )
             self.kept_bytes = sum(kept.values())
-            self.no_ac_bytes = sum(n for sid, n in self._saved.items() if sid in self._created)
+            alive = _storages(ref() for ref in self._created.values()).keys() - kept.keys()
+            held = {sid: n for sid, n in self._saved.items() if sid in self._created}
+            held.update(_storages(ref() for sid, ref in self._created.items() if sid in alive))
+            self.no_ac_bytes = sum(held.values())
             self.measured()
         return result
 

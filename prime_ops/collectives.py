@@ -318,7 +318,7 @@ def _run_checks(op: str, group: dist.ProcessGroup, describe, local=None) -> None
         agree(op, group, describe)
     else:
         with rank_local(op, group):
-            (local or describe)()
+            (describe if local is None else local)()
 
 
 def all_to_all_single(

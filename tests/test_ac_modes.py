@@ -63,6 +63,13 @@ def hook(event, args):
     elif event == "ctypes.dlopen" and "prime_ac" in str(args[0]):
         events.append((event, str(args[0])))
 import torch
+from torch.utils.checkpoint import checkpoint
+
+# torch's own first-use imports (torch 2.9's torch._dynamo writes a module file) are not
+# prime_ac's: a plain checkpointed step runs first
+lin = torch.nn.Linear(4, 4)
+checkpoint(lin, torch.randn(2, 4), use_reentrant=False).sum().backward()
+torch.compiler.is_compiling()
 sys.addaudithook(hook)
 import prime_ac
 from prime_ac.models import build_model

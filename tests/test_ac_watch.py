@@ -173,6 +173,8 @@ def test_a_fraction_budget_is_of_the_whole_models_memory(budget):
 
 
 def test_compiled_regions_are_kept_by_default():
-    hop = torch._higher_order_ops.wrap.inductor_compiled_code
+    hop = getattr(torch._higher_order_ops.wrap, "inductor_compiled_code", None)
+    if hop is None:
+        pytest.skip("this torch has no inductor_compiled_code (torch 2.13+)")
     assert prime_ac.make_policy("selective").classify(hop) is Action.KEEP
     assert prime_ac.make_policy("full").classify(hop) is Action.REPLAY
