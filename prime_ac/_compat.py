@@ -29,7 +29,6 @@ __all__ = [
     "OpOverload",
     "TorchDispatchMode",
     "detach",
-    "dispatch_mode_active",
     "dispatch_op_names",
     "is_composite_implicit",
     "is_traceable_wrapper_subclass",
@@ -239,11 +238,6 @@ def operator_parts(op: Any) -> tuple[str, str, str]:
     """``(namespace, op, overload)`` of an OpOverload (OpOverload._opname/_overloadname, every
     release; public ``op.name()`` joins them and drops ``default``)."""
     return op.namespace, op._opname, op._overloadname
-
-
-def dispatch_mode_active() -> bool:
-    """True while any TorchDispatchMode is on this thread's stack (torch._C, 2.0-2.14)."""
-    return torch._C._len_torch_dispatch_stack() > 0
 
 
 def sac_hops() -> list[Any]:

@@ -219,7 +219,7 @@ class _Recorder:
         self.by_position: dict[tuple[str, Any, int], CallRecord] = {}
         self.seen: set[Any] = set()
         self.scopes = ScopeTracker()  # hooks on the blocks while recording: each call's module
-        self.block_bytes: dict[str, tuple[int, int]] = {}  # block -> (kept, held without AC)
+        self.kept_bytes: dict[str, int] = {}  # block -> bytes of its kept results
 
     def record(self, block: str, op: Any, decision: str) -> OpRecord:
         # a budget plan can keep some calls of an overload and replay others: one row each
@@ -256,7 +256,7 @@ class _AuditKeepMode(MeasuringKeepMode):
         return out
 
     def measured(self) -> None:
-        self.recorder.block_bytes[self.state.name] = (self.kept_bytes, self.no_ac_bytes)
+        self.recorder.kept_bytes[self.state.name] = self.kept_bytes
 
 
 class _AuditReplayMode(ReplayMode):
@@ -407,6 +407,6 @@ def audit(model: nn.Module, loss_fn: LossFn) -> AuditReport:
         calls=dict(recorder.calls),
         held_bytes_by_device=held,
         held_bytes_no_ac_by_device=held_none,
-        block_held_bytes={b: kept for b, (kept, _) in recorder.block_bytes.items()},
+        block_held_bytes=recorder.kept_bytes,
         block_held_bytes_no_ac=block_none,
     )

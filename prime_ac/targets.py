@@ -99,6 +99,7 @@ def translate_composites(targets: Iterable[str]) -> list[str]:
                 translated.append(replacement)
     return translated
 
+
 MANDATORY_TARGETS: tuple[str, ...] = (
     "deepep",
     "aten::topk",

@@ -195,9 +195,9 @@ class MeasuringKeepMode(KeepMode):
                 for t in e.tensors
             )
             self.kept_bytes = sum(kept.values())
-            alive = _storages(ref() for ref in self._created.values()).keys() - kept.keys()
+            live = _storages(ref() for ref in self._created.values())
             held = {sid: n for sid, n in self._saved.items() if sid in self._created}
-            held.update(_storages(ref() for sid, ref in self._created.items() if sid in alive))
+            held.update((sid, n) for sid, n in live.items() if sid not in kept)
             self.no_ac_bytes = sum(held.values())
             self.measured()
         return result
