@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import os
 import statistics
 import sys
 import time
@@ -193,8 +194,43 @@ def format_table(title: str, results: list[ModeResult], repeats: int) -> str:
     return "\n".join(lines)
 
 
+def _span(values: list[float]) -> str:
+    low, high = f"{min(values):.0%}", f"{max(values):.0%}"
+    return low if low == high else f"{low[:-1]}-{high}"
+
+
+def summary(report: dict[str, list[ModeResult]]) -> str:
+    """Two lines for a newcomer: what full and selective hold and replay, and which to pick.
+
+    Built from the deterministic columns only (bytes and FLOPs), so it reads the same on every
+    machine and under any load.
+    """
+    by_mode: dict[str, list[ModeResult]] = {}
+    for results in report.values():
+        for r in results:
+            by_mode.setdefault(r.mode, []).append(r)
+    full, selective = by_mode["full"], by_mode["selective"]
+    return (
+        f"full holds {_span([r.held_ratio for r in full])} of no AC's memory and replays "
+        f"{_span([r.recomputed_flops_ratio for r in full])} of the forward FLOPs; selective "
+        f"holds {_span([r.held_ratio for r in selective])} and replays "
+        f"{_span([r.recomputed_flops_ratio for r in selective])} (norms, activations, views).\n"
+        "Pick selective when activations fit with it (least recompute), full when memory is "
+        "what limits you, and no AC when everything fits without checkpointing."
+    )
+
+
+def _load() -> str:
+    """The machine's load while timing, printed beside the times: one thread's CPU time still
+    moves with load on a shared machine (the same no-AC step measured 2.6-2.9x slower on a
+    loaded 2-core machine than on a quiet one), so a time is read together with its load."""
+    one_minute = os.getloadavg()[0]
+    return f"load average {one_minute:.1f} on {os.cpu_count()} cores"
+
+
 def main(kinds: list[str], as_json: bool, repeats: int = 7) -> int:
     start = time.perf_counter()
+    load_before = _load()
     report = {kind: compare_modes(kind, repeats=repeats) for kind in kinds}
     if as_json:
         print(json.dumps({k: [r.__dict__ for r in v] for k, v in report.items()}, indent=2))
@@ -209,6 +245,9 @@ def main(kinds: list[str], as_json: bool, repeats: int = 7) -> int:
                 )
             )
         print(f"\n{FLOP_NOTE}\n{TIME_NOTE}")
+        print(f"Times measured at {load_before} (start) and {_load()} (end).")
+        if {"full", "selective"} <= {r.mode for results in report.values() for r in results}:
+            print(f"\n{summary(report)}")
     _say(f"demo: {time.perf_counter() - start:.0f} s")
     worst = max(r.max_grad_diff for results in report.values() for r in results)
     return 0 if worst == 0.0 else 1

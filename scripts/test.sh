@@ -8,7 +8,10 @@
 #                  .venv-torch-VERSION, made once (other versions are CUDA builds, ~3.5 GB)
 # --fresh          delete and re-create the venv
 # PRIME_OPS_VENV   use this venv path instead (.venv-test for torch 2.13.0)
-# PYTEST ARGS      passed on, after the defaults -n auto --durations=15 (e.g. tests/test_ac_*.py)
+# PYTEST ARGS      passed on to pytest after --durations=15. With no test path among them the
+#                  whole suite runs on one worker per core (-n auto); with explicit test paths
+#                  (tests/test_ac_policy.py, tests/x.py::test_y) they run in this process,
+#                  unless the arguments ask for workers themselves (-n N, --numprocesses).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 torch_version=2.13.0
@@ -27,5 +30,12 @@ done
 if [[ $torch_version == 2.13.0 ]]; then default_venv=.venv-test; else default_venv=.venv-torch-$torch_version; fi
 . scripts/_venv.sh
 prime_ops_venv "${PRIME_OPS_VENV:-$default_venv}" "$torch_version" test $fresh
-echo "torch $torch_version: python -m pytest -n auto --durations=15 $*" >&2
-python -m pytest -n auto --durations=15 "$@"
+workers=(-n auto)
+for arg in "$@"; do
+    case $arg in
+    -n | -n* | --numprocesses*) workers=() ; break ;;
+    tests* | */tests/* | *.py | *::*) workers=() ;;
+    esac
+done
+echo "torch $torch_version: python -m pytest ${workers[*]} --durations=15 $*" >&2
+python -m pytest "${workers[@]}" --durations=15 "$@"

@@ -66,6 +66,19 @@ def test_demo_table_puts_counts_first_and_says_which_ops_carry_flops(demo_cli):
     assert "FLOPs count matrix products and attention only" in out
 
 
+def test_demo_ends_with_a_summary_of_the_modes_and_the_load_its_times_were_taken_at(
+    demo_cli, small_results
+):
+    out = demo_cli().rstrip().splitlines()
+    assert any(line.startswith("Times measured at load average") for line in out)
+    what, pick = out[-2:]
+    full = [r for rows in small_results.values() for r in rows if r.mode == "full"]
+    low, high = min(r.held_ratio for r in full), max(r.held_ratio for r in full)
+    assert what.startswith(f"full holds {low * 100:.0f}-{high:.0%} of no AC's memory"), what
+    assert "selective holds" in what and "replays 0% (norms" in what, what
+    assert pick.startswith("Pick selective when") and "full when memory" in pick, pick
+
+
 def test_compare_modes_says_when_each_phase_starts_and_restores_the_thread_count(capsys):
     threads = torch.get_num_threads()
     compare_modes("dense", modes=("none",), batch=1, seq_len=4, n_layers=1, repeats=1)
