@@ -1,16 +1,20 @@
-"""Every ```python block of README.md and docs/*.md runs as pasted, on a CPU.
+"""Every ```python block of README.md and docs/*.md runs when pasted alone, on a CPU.
 
 The convention the docs follow:
 
-- A block is run unless the line right before its opening fence is
-  ``<!-- not run: REASON -->`` (for examples that need CUDA, a kernel library or several
-  processes); REASON must say which.
-- A file's blocks run in order in one namespace, in one fresh Python process per file (so a
-  block may use what an earlier block of the same file defined, as a reader pasting them one
-  after another would), in a temporary directory, with torch on one thread.
+- Each block runs on its own, in a fresh Python process, in a temporary directory, with torch on
+  one thread: a reader who pastes one block into a new interpreter gets what the page says.
+- A block that builds on the one before it says so on the line right before its opening fence:
+  ``<!-- continues the previous block -->``. It then runs after that block (and whatever that one
+  continues) in the same process; the chain is checked as a whole.
+- A block is not run if the line right before its fence is ``<!-- not run: REASON -->`` (examples
+  that need CUDA, a kernel library or several processes); REASON must say which.
+- Output shown in a block is checked: a line ending in ``# -> TEXT`` promises that the block
+  prints TEXT as one line (in the order of such comments; ``...`` in TEXT stands for anything).
 - "Runs" means: no exception and no warning on stderr, within the timeout (a block that hangs
-  fails its file instead of stalling the suite). The failure names the file and the line of the
-  block's opening fence.
+  fails instead of stalling the suite). A failure names the file and the line of the fence.
+- ``PRIME_OPS_DOCS_PYTHON=/path/to/python`` runs the blocks with that interpreter and without
+  this checkout on its path: scripts/release_check.sh runs them against the installed wheel.
 
 tests/test_docs_examples.py runs the shell examples.
 """
@@ -22,6 +26,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -30,81 +35,162 @@ ROOT = Path(__file__).parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.M | re.S)
 NOT_RUN = re.compile(r"^<!-- not run: (?P<reason>\S.*\S) -->$")
+CONTINUES = "<!-- continues the previous block -->"
+SHOWN = re.compile(r"#\s*->\s*(?P<text>\S.*?)\s*$")
 REPOSITORY = "https://github.com/prime-ops/prime-ops/blob/main/"
 
-# Files whose blocks do not run yet, as found when this test was written (undefined names, CUDA
-# or several processes unmarked); strict: once a file runs, its entry must go.
-PENDING: dict[str, str] = {}
-
-# Runs in the child: exec each block in one namespace; a failure prints where and exits 1.
+# Runs in the child: exec each block of one chain in one namespace, printing each block's stdout
+# as a JSON list on the last line; a failure prints where and exits 1.
 RUNNER = """
-import json, sys, traceback
+import contextlib, io, json, sys, traceback
 import torch
 torch.set_num_threads(1)
 namespace = {"__name__": "__main__"}
+printed = []
 for where, source in json.load(sys.stdin):
+    out = io.StringIO()
     try:
-        exec(compile(source, where, "exec"), namespace)
+        with contextlib.redirect_stdout(out):
+            exec(compile(source, where, "exec"), namespace)
     except BaseException:
+        print(out.getvalue(), file=sys.stderr)
         print(f"block at {where} failed:", file=sys.stderr)
         traceback.print_exc()
         sys.exit(1)
+    printed.append(out.getvalue())
+print(json.dumps(printed))
 """
 
 
-def python_blocks(path: Path) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """(run, skipped): ``(file:line, source)`` of each python block, and ``(file:line, reason)``
-    of each block marked ``not run``."""
+@dataclass
+class Block:
+    where: str  # file:line of the opening fence
+    source: str
+    skipped: str | None = None  # the not-run reason
+    continues: bool = False
+    shown: list[str] = field(default_factory=list)  # lines the block promises to print
+
+
+def python_blocks(path: Path, root: Path = ROOT) -> list[Block]:
+    """Every ```python block of one file, in order, with its markers."""
     text = path.read_text()
     lines = text.splitlines()
-    run, skipped = [], []
+    blocks = []
     for match in FENCE.finditer(text):
         language, body = match.groups()
         if language != "python":
             continue
         fence = text.count("\n", 0, match.start())  # 0-based line of the opening fence
-        where = f"{path.relative_to(ROOT)}:{fence + 1}"
-        marker = NOT_RUN.match(lines[fence - 1].strip()) if fence else None
-        if marker:
-            skipped.append((where, marker["reason"]))
+        before = lines[fence - 1].strip() if fence else ""
+        marker = NOT_RUN.match(before)
+        blocks.append(
+            Block(
+                where=f"{path.relative_to(root)}:{fence + 1}",
+                source=body,
+                skipped=marker["reason"] if marker else None,
+                continues=before == CONTINUES,
+                shown=[m["text"] for line in body.splitlines() if (m := SHOWN.search(line))],
+            )
+        )
+    return blocks
+
+
+def chains(path: Path, root: Path = ROOT) -> list[list[Block]]:
+    """The runnable chains of a file: a block alone, or a block with those it continues."""
+    result: list[list[Block]] = []
+    previous: list[Block] | None = None
+    for block in python_blocks(path, root):
+        if block.skipped:
+            previous = None
+            continue
+        if block.continues:
+            assert previous, f"{block.where}: {CONTINUES} but no runnable python block precedes"
+            previous = [*previous, block]
+            # The longer chain checks everything the shorter one did.
+            if result and result[-1] == previous[:-1]:
+                result[-1] = previous
+            else:
+                result.append(previous)
         else:
-            run.append((where, body))
-    return run, skipped
+            previous = [block]
+            result.append(previous)
+    return result
 
 
-def test_not_run_markers_stand_right_before_a_python_block_and_give_a_reason():
+CHAINS = [(path, chain) for path in DOCS for chain in chains(path)]
+
+
+def test_markers_stand_right_before_a_python_block():
     for path in DOCS:
         lines = path.read_text().splitlines()
         for n, line in enumerate(lines):
-            if "not run" in line and line.lstrip().startswith("<!--"):
-                where = f"{path.relative_to(ROOT)}:{n + 1}"
-                assert NOT_RUN.match(line.strip()), f"{where}: write <!-- not run: REASON -->"
-                following = lines[n + 1] if n + 1 < len(lines) else ""
-                assert following.startswith("```python"), f"{where}: no ```python block follows"
+            stripped = line.strip()
+            if not stripped.startswith("<!--") or not re.search("not run|continues", stripped):
+                continue
+            where = f"{path.relative_to(ROOT)}:{n + 1}"
+            assert NOT_RUN.match(stripped) or stripped == CONTINUES, (
+                f"{where}: write <!-- not run: REASON --> or {CONTINUES}"
+            )
+            following = lines[n + 1] if n + 1 < len(lines) else ""
+            assert following.startswith("```python"), f"{where}: no ```python block follows"
+
+
+def test_chains_start_where_blocks_stand_alone(tmp_path):
+    """The chaining rule itself: a block without the marker never inherits names."""
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```python\nx = 1\n```\n\n"
+        f"{CONTINUES}\n```python\nprint(x)  # -> 1\n```\n\n"
+        "```python\ny = 2\n```\n"
+    )
+    found = chains(page, root=tmp_path)
+    sources = [[block.source for block in chain] for chain in found]
+    assert sources == [["x = 1\n", "print(x)  # -> 1\n"], ["y = 2\n"]]
+    assert found[0][1].shown == ["1"]
+    assert [block.where for block in found[0]] == ["page.md:1", "page.md:6"]
 
 
 def test_the_readme_has_runnable_python_blocks():
-    run, _ = python_blocks(ROOT / "README.md")
-    assert run
+    assert any(path.name == "README.md" for path, _ in CHAINS)
 
 
-def _doc_param(path: Path):
-    name = str(path.relative_to(ROOT))
-    marks = [pytest.mark.xfail(reason=PENDING[name], strict=True)] if name in PENDING else []
-    return pytest.param(path, id=name, marks=marks)
+def _matches(shown: str, line: str) -> bool:
+    pattern = ".*".join(re.escape(part.strip()) for part in shown.split("..."))
+    return re.fullmatch(pattern, line.strip()) is not None
+
+
+def check_shown(chain: list[Block], printed: list[str]) -> None:
+    """Each ``# -> TEXT`` of a block is a line that block printed, in order."""
+    for block, out in zip(chain, printed):
+        lines = iter(out.splitlines())
+        for shown in block.shown:
+            assert any(_matches(shown, line) for line in lines), (
+                f"{block.where}: the page shows {shown!r}; the block printed:\n{out}"
+            )
+
+
+def test_shown_output_is_checked():
+    block = Block(where="page.md:1", source="", shown=["[1, ...]", "done"])
+    check_shown([block], ["[1, 2, 3]\ndone\n"])
+    with pytest.raises(AssertionError, match="the page shows 'done'"):
+        check_shown([block], ["done\n[1, 2]\n"])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", [_doc_param(path) for path in DOCS])
-def test_python_blocks_run_as_pasted(path, tmp_path):
-    blocks, _ = python_blocks(path)
-    if not blocks:
-        pytest.skip(f"{path.name} has no python block to run")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    # 300 s: over 10x what the slowest file takes on a quiet 2-core machine.
+@pytest.mark.parametrize(
+    "path, chain", [pytest.param(p, c, id=c[-1].where) for p, c in CHAINS]
+)
+def test_python_blocks_run_as_pasted(path, chain, tmp_path):
+    python = os.environ.get("PRIME_OPS_DOCS_PYTHON")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if python is None:
+        python, env["PYTHONPATH"] = sys.executable, str(ROOT)
+    else:
+        env.pop("PYTHONPATH", None)
+    # 300 s: over 10x what the slowest block takes on a quiet 2-core machine.
     done = subprocess.run(
-        [sys.executable, "-c", RUNNER],
-        input=json.dumps(blocks),
+        [python, "-c", RUNNER],
+        input=json.dumps([(block.where, block.source) for block in chain]),
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -113,7 +199,8 @@ def test_python_blocks_run_as_pasted(path, tmp_path):
     )
     assert done.returncode == 0, done.stderr[-4000:]
     noisy = [line for line in done.stderr.splitlines() if re.search(r"warn", line, re.I)]
-    assert not noisy, f"{path.name} printed:\n" + "\n".join(noisy)
+    assert not noisy, f"{chain[-1].where} printed:\n" + "\n".join(noisy)
+    check_shown(chain, json.loads(done.stdout.splitlines()[-1]))
 
 
 def test_readme_links_name_files_of_the_repository():
