@@ -10,7 +10,9 @@
 #    `python ...` command runs with PYTHON and must exit 0 without a warning on stderr.
 # 2. Every python block of README.md and docs/*.md, each alone (or with the block it says it
 #    continues) in a fresh PYTHON process: tests/test_docs.py with PRIME_OPS_DOCS_PYTHON=PYTHON,
-#    run by the checkout's test venv (pytest lives there, not in the user's venv).
+#    run by the checkout's test venv (pytest lives there, not in the user's venv). The blocks on
+#    Hugging Face models need transformers and diffusers, as a reader of those pages has them:
+#    the wheel's own `conformance` requirements are installed first (torch pinned).
 set -euo pipefail
 python=${1:?usage: bash scripts/pip_user_check.sh PYTHON}
 cd "$(dirname "$0")/.."
@@ -63,8 +65,18 @@ PY
 done <<<"$commands"
 
 echo "--- pip user: every python block of the docs, alone, with the installed package" >&2
+mapfile -t conformance < <("$python" - <<'PY'
+import importlib.metadata as m
+for requirement in m.requires("prime-ops") or []:
+    if 'extra == "conformance"' in requirement:
+        print(requirement.split(";")[0].strip())
+PY
+)
+torch_version=$("$python" -c 'import importlib.metadata as m; print(m.version("torch").split("+")[0])')
+echo "torch==$torch_version" >"$work/pin.txt"
+"$python" -m pip install -q -c "$work/pin.txt" "${conformance[@]}"
 # shellcheck disable=SC1091
 . scripts/_venv.sh
-prime_ops_venv .venv-test 2.13.0 test
+prime_ops_venv "${PRIME_OPS_VENV:-.venv-test}" 2.13.0 test
 PRIME_OPS_DOCS_PYTHON=$python python -m pytest -p no:cacheprovider -n auto -q \
     tests/test_docs.py -k run_as_pasted
