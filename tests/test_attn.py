@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import prime_ops
 from prime_ops.attn import flash, varlen_attention
-from prime_ops.attn.varlen import BACKENDS
+from prime_ops.attn.varlen import BACKENDS, VarlenArgs
 
 INF = float("inf")
 
@@ -159,7 +159,8 @@ def test_lse_carries_no_gradient():
 @pytest.mark.slow
 def test_opcheck_forward_and_backward():
     q, k, v, cu_q, cu_k, max_q, max_k = packed([5, 3, 6], h=4, hkv=2, d=8)
-    args = (q, k, v, cu_q, cu_k, max_q, max_k, True, 0.35, 4, -1, 3.0)
+    # sdpa_varlen takes FA4's schema: ..., causal, window left/right, then scale and softcap.
+    args = (q, k, v, cu_q, cu_k, max_q, max_k, True, 4, -1, 0.35, 3.0)
     torch.library.opcheck(torch.ops.prime_rl_attn.sdpa_varlen.default, args)
     out, lse = torch.ops.prime_rl_attn.sdpa_varlen(*args)
     detached = [t.detach() for t in (q, k, v)]
@@ -182,7 +183,6 @@ def _bad(**overrides):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (dict(q=torch.randn(8, 8, 4).transpose(1, 2)), "q must be contiguous"),
         (dict(q=torch.randn(8, 3, 8)), "multiple of k/v's heads"),
         (dict(q=torch.randn(8, 4)), r"q must be \[tokens, heads, head_dim\]"),
         (dict(v=torch.randn(6, 2, 8)), "k and v must agree"),
@@ -326,7 +326,7 @@ def test_mixed_devices_are_refused_by_forward_and_backward():
         varlen_attention(q, k, v, meta_cu, meta_cu, n, n)
     out, lse = varlen_attention(q, k, v, cu, cu, n, n)
     bwd = torch.ops.prime_rl_attn.sdpa_varlen_backward
-    args = (cu, cu, n, n, False, 0.3, -1, -1, 0.0)
+    args = (cu, cu, n, n, False, -1, -1, 0.3, 0.0)
     with pytest.raises(ValueError, match="dout on meta"):
         bwd(out.detach().to("meta"), q, k, v, out.detach(), lse, *args)
     with pytest.raises(ValueError, match=r"lse must have shape \(2, 8\)"):
@@ -373,10 +373,11 @@ def test_fakes_on_meta_give_shapes_dtypes_strides(backend, monkeypatch):
     v = torch.empty(56, 2, 64, dtype=torch.bfloat16, device="meta")
     cu_q = torch.empty(5, dtype=torch.int32, device="meta")
     cu_k = torch.empty(5, dtype=torch.int32, device="meta")
-    out, lse = fwd(q, k, v, cu_q, cu_k, 16, 20, True, 0.125, -1, -1, 0.0)
+    rest = trailing(backend, cu_q, cu_k, 16, 20, True, 0.125, -1, -1, 0.0)
+    out, lse = fwd(q, k, v, *rest)
     assert (out.shape, out.dtype, out.stride()) == ((40, 8, 64), torch.bfloat16, (512, 64, 1))
     assert (lse.shape, lse.dtype, lse.stride()) == ((8, 40), torch.float32, (40, 1))
-    grads = bwd(out, q, k, v, out, lse, cu_q, cu_k, 16, 20, True, 0.125, -1, -1, 0.0)
+    grads = bwd(out, q, k, v, out, lse, *rest)
     for grad, like in zip(grads, (q, k, v), strict=True):
         assert (grad.shape, grad.dtype, grad.stride()) == (like.shape, like.dtype, like.stride())
 
@@ -398,7 +399,8 @@ def test_front_under_fake_cuda_never_imports_backend(backend, monkeypatch):
         out, lse = varlen_attention(q, k, v, cu, cu, 20, 20, causal=True, backend=backend)
         assert out.shape == (32, 4, 128) and out.device.type == "cuda"
         assert lse.shape == (4, 32) and lse.dtype == torch.float32 and lse.device.type == "cuda"
-        dq, dk, dv = bwd(out, q, k, v, out, lse, cu, cu, 20, 20, True, 0.1, -1, -1, 0.0)
+        rest = trailing(backend, cu, cu, 20, 20, True, 0.1, -1, -1, 0.0)
+        dq, dk, dv = bwd(out, q, k, v, out, lse, *rest)
         assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
         assert dk.device.type == "cuda"
 
@@ -421,13 +423,33 @@ def test_missing_backend_says_how_to_install(adapter, modules, how, monkeypatch)
         monkeypatch.setitem(sys.modules, name, None)
     q, k, v, cu, _, n, _ = packed([4], h=1, hkv=1, d=8)
     with pytest.raises(prime_ops.BackendUnavailable, match=how) as info:
-        adapter(q, k, v, cu, cu, n, n, False, 0.5, -1, -1, 0.0)
+        adapter(*bundle(q, k, v, cu, cu, n, n, False, 0.5, -1, -1, 0.0))
     assert "prime-ops[fa3]" not in str(info.value)
 
 
 # --------------------------------------------------------------------------- adapters
 
 REFERENCE = BACKENDS["sdpa"]
+
+
+def bundle(q, k, v, *rest):
+    """``(q, k, v, VarlenArgs)`` from the contract's 12 positional values, as adapters take."""
+    return q, k, v, VarlenArgs(*rest)
+
+
+def trailing(backend, cu_q, cu_k, max_q, max_k, causal, scale, left, right, softcap):
+    """The op of ``backend``'s arguments after q, k, v in its own schema's order."""
+    a = VarlenArgs(cu_q, cu_k, max_q, max_k, causal, scale, left, right, softcap)
+    return (cu_q, cu_k, *BACKENDS[backend].schema.values(a))
+
+
+def ref_forward(q, k, v, *rest):
+    return REFERENCE.forward(q, k, v, rest[0] if len(rest) == 1 else VarlenArgs(*rest))
+
+
+def ref_backward(dout, q, k, v, out, lse, *rest):
+    a = rest[0] if len(rest) == 1 else VarlenArgs(*rest)
+    return REFERENCE.backward(dout, q, k, v, out, lse, a)
 
 
 class Recorder:
@@ -448,12 +470,12 @@ class Recorder:
 def _adapter_inputs(causal=True, window=(-1, -1), softcap=0.0):
     q, k, v, cu_q, cu_k, max_q, max_k = packed([5, 4], lengths_k=[2, 4], h=4, hkv=2, d=8)
     q, k, v = (t.detach() for t in (q, k, v))
-    return (q, k, v, cu_q, cu_k, max_q, max_k, causal, 0.25, *window, softcap)
+    return bundle(q, k, v, cu_q, cu_k, max_q, max_k, causal, 0.25, *window, softcap)
 
 
 def _reference_grads(args, dout):
-    out, lse = REFERENCE.forward(*args)
-    return out, lse, REFERENCE.backward(dout, *args[:3], out, lse, *args[3:])
+    out, lse = ref_forward(*args)
+    return out, lse, ref_backward(dout, *args[:3], out, lse, *args[3:])
 
 
 def _fa2_standin(recorder):
@@ -488,7 +510,7 @@ def _fa2_standin(recorder):
             # mha_varlen_fwd's seqlenq_ngroups_swapped path: reshape by batch size.
             batch = cu_seqlens_q.shape[0] - 1
             q.reshape(batch, heads_k, heads // heads_k, head_size)
-        out, lse = REFERENCE.forward(
+        out, lse = ref_forward(
             q,
             k,
             v,
@@ -532,7 +554,7 @@ def _fa2_standin(recorder):
     ):
         recorder.record("bwd", dict(locals()))
         lse = softmax_lse.masked_fill(softmax_lse == INF, -INF)
-        grads = REFERENCE.backward(
+        grads = ref_backward(
             dout,
             q,
             k,
@@ -564,7 +586,8 @@ def test_fa2_adapter_exact_call_and_lse_convention(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
     monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", _fa2_standin(recorder))
     args = _adapter_inputs(window=(3, -1), softcap=1.5)
-    q, k, v, cu_q, cu_k = args[:5]
+    q, k, v, a = args
+    cu_q, cu_k = a.cu_seqlens_q, a.cu_seqlens_k
     out, lse = flash.fa2_forward(*args)
     call = recorder.only("fwd")
     assert call["q"] is q and call["k"] is k and call["v"] is v
@@ -574,7 +597,7 @@ def test_fa2_adapter_exact_call_and_lse_convention(monkeypatch):
     assert (call["window_size_left"], call["window_size_right"]) == (3, -1)
     assert call["softcap"] == 1.5 and call["return_softmax"] is False
     assert call["alibi_slopes"] is None
-    ref_out, ref_lse = REFERENCE.forward(*args)
+    ref_out, ref_lse = ref_forward(*args)
     assert lse.isneginf().any() and not lse.isposinf().any()  # +inf normalised to -inf
     torch.testing.assert_close(lse, ref_lse)
     torch.testing.assert_close(out, ref_out)
@@ -607,10 +630,10 @@ def test_fa2_single_query_gqa_with_empty_sequences(lengths_q, expected_max_q, mo
         lengths_q, lengths_k=[3, 2, 4, 1][: len(lengths_q)], h=4, hkv=2, d=8
     )
     q, k, v = (t.detach() for t in (q, k, v))
-    args = (q, k, v, cu_q, cu_k, 1, max_k, True, 0.3, -1, -1, 0.0)
+    args = bundle(q, k, v, cu_q, cu_k, 1, max_k, True, 0.3, -1, -1, 0.0)
     out, lse = flash.fa2_forward(*args)
     assert recorder.only("fwd")["max_seqlen_q"] == expected_max_q
-    ref_out, ref_lse = REFERENCE.forward(*args)
+    ref_out, ref_lse = ref_forward(*args)
     torch.testing.assert_close(out, ref_out)
     torch.testing.assert_close(lse, ref_lse)
 
@@ -620,7 +643,7 @@ def test_fa2_pads_head_dims_to_a_multiple_of_8(monkeypatch):
     _install_fa2(monkeypatch, recorder)
     q, k, v, cu_q, cu_k, max_q, max_k = packed([5, 3], h=2, hkv=1, d=12)
     q, k, v = (t.detach() for t in (q, k, v))
-    args = (q, k, v, cu_q, cu_k, max_q, max_k, True, 0.3, -1, -1, 0.0)
+    args = bundle(q, k, v, cu_q, cu_k, max_q, max_k, True, 0.3, -1, -1, 0.0)
     out, lse = flash.fa2_forward(*args)
     assert recorder.only("fwd")["q"].shape[-1] == 16 and out.shape == (8, 2, 12)
     assert out.is_contiguous()
@@ -674,7 +697,7 @@ def _fa3_standin(recorder):
         sm_margin=0,
     ):
         recorder.record("fwd", dict(locals()))
-        out, lse = REFERENCE.forward(
+        out, lse = ref_forward(
             q,
             k,
             v,
@@ -717,7 +740,7 @@ def _fa3_standin(recorder):
         sm_margin=0,
     ):
         recorder.record("bwd", dict(locals()))
-        grads = REFERENCE.backward(
+        grads = ref_backward(
             dout,
             q,
             k,
@@ -748,14 +771,15 @@ def test_fa3_adapter_exact_call_and_outputs(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn_3._C", types.ModuleType("flash_attn_3._C"))
     monkeypatch.setattr(torch.ops, "flash_attn_3", _fa3_standin(recorder), raising=False)
     args = _adapter_inputs(causal=False, window=(2, 1))
-    q, k, v, cu_q, cu_k = args[:5]
+    q, k, v, a = args
+    cu_q, cu_k = a.cu_seqlens_q, a.cu_seqlens_k
     out, lse = flash.fa3_forward(*args)
     call = recorder.only("fwd")
     assert call["q"] is q and call["cu_seqlens_q"] is cu_q and call["cu_seqlens_k"] is cu_k
     assert call["is_causal"] is False and call["softmax_scale"] == 0.25
     assert (call["window_size_left"], call["window_size_right"]) == (2, 1)
     assert call["out"] is None and call["q_v"] is None and call["softcap"] == 0.0
-    ref_out, ref_lse = REFERENCE.forward(*args)
+    ref_out, ref_lse = ref_forward(*args)
     torch.testing.assert_close(out, ref_out)
     torch.testing.assert_close(lse, ref_lse)
 
@@ -774,7 +798,7 @@ def test_fa3_lse_is_minus_inf_when_the_batch_has_no_keys(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn_3._C", types.ModuleType("flash_attn_3._C"))
     monkeypatch.setattr(torch.ops, "flash_attn_3", _fa3_standin(Recorder()), raising=False)
     q, k, v, cu_q, cu_k, max_q, _ = packed([3, 2], lengths_k=[0, 0], h=2, hkv=1, d=8)
-    out, lse = flash.fa3_forward(q, k, v, cu_q, cu_k, max_q, 0, False, 0.3, -1, -1, 0.0)
+    out, lse = flash.fa3_forward(*bundle(q, k, v, cu_q, cu_k, max_q, 0, False, 0.3, -1, -1, 0.0))
     assert lse.isneginf().all() and (out == 0).all()
 
 
@@ -805,7 +829,7 @@ def _fa4_standin(recorder):
         lse=None,
     ):
         recorder.record("fwd", dict(locals()))
-        out, lse = REFERENCE.forward(
+        out, lse = ref_forward(
             q,
             k,
             v,
@@ -849,7 +873,7 @@ def _fa4_standin(recorder):
         dv=None,
     ):
         recorder.record("bwd", dict(locals()))
-        return REFERENCE.backward(
+        return ref_backward(
             dout,
             q,
             k,
@@ -885,7 +909,8 @@ def test_fa4_adapter_exact_call_window_and_backward_order(
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", _fa4_standin(recorder))
     args = _adapter_inputs(window=window, softcap=softcap)
-    q, k, v, cu_q, cu_k = args[:5]
+    q, k, v, a = args
+    cu_q, cu_k = a.cu_seqlens_q, a.cu_seqlens_k
     out, lse = flash.fa4_forward(*args)
     call = recorder.only("fwd")
     assert call["q"] is q and call["k"] is k and call["v"] is v and call["qv"] is None
@@ -894,7 +919,7 @@ def test_fa4_adapter_exact_call_window_and_backward_order(
     assert (call["window_size_left"], call["window_size_right"]) == expected_window
     assert call["softcap"] == expected_softcap and call["return_lse"] is True
     assert call["causal"] is True and call["softmax_scale"] == 0.25
-    ref_out, ref_lse = REFERENCE.forward(*args)
+    ref_out, ref_lse = ref_forward(*args)
     torch.testing.assert_close(out, ref_out)
     torch.testing.assert_close(lse, ref_lse)
 
@@ -930,7 +955,7 @@ def test_opcheck_flash_ops_through_standins(backend, flash_standins):
         [5, 3, 6], lengths_k=[5, 4, 6], h=4, hkv=2, d=8, dtype=torch.bfloat16
     )
     fwd, bwd = _ops(backend)
-    args = (q, k, v, cu_q, cu_k, max_q, max_k, True, 0.35, 4, -1, 0.0)
+    args = (q, k, v, *trailing(backend, cu_q, cu_k, max_q, max_k, True, 0.35, 4, -1, 0.0))
     torch.library.opcheck(fwd.default, args)
     out, lse = fwd(*args)
     detached = [t.detach() for t in (q, k, v)]

@@ -19,12 +19,16 @@ Libraries are imported on the first call through :func:`prime_ops.backends.impor
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from prime_ops.backends import import_backend
+
+if TYPE_CHECKING:
+    from prime_ops.attn.varlen import VarlenArgs
 
 __all__ = [
     "FA3_BUILD",
@@ -172,35 +176,22 @@ def _fa2_max_seqlen_q(max_seqlen_q: int, q: Tensor, cu_seqlens_q: Tensor) -> int
     return max_seqlen_q
 
 
-def fa2_forward(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    causal,
-    softmax_scale,
-    window_size_left,
-    window_size_right,
-    softcap,
-) -> tuple[Tensor, Tensor]:
+def fa2_forward(q: Tensor, k: Tensor, v: Tensor, a: VarlenArgs) -> tuple[Tensor, Tensor]:
     head_dim_v = v.shape[-1]
     out, lse, _, _ = _fa2()._flash_attn_varlen_forward(
         q=_pad8(q),
         k=_pad8(k),
         v=_pad8(v),
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=_fa2_max_seqlen_q(max_seqlen_q, q, cu_seqlens_q),
-        max_seqlen_k=max_seqlen_k,
+        cu_seqlens_q=a.cu_seqlens_q,
+        cu_seqlens_k=a.cu_seqlens_k,
+        max_seqlen_q=_fa2_max_seqlen_q(a.max_seqlen_q, q, a.cu_seqlens_q),
+        max_seqlen_k=a.max_seqlen_k,
         dropout_p=0.0,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        window_size_left=window_size_left,
-        window_size_right=window_size_right,
-        softcap=softcap,
+        softmax_scale=a.softmax_scale,
+        causal=a.causal,
+        window_size_left=a.window_size_left,
+        window_size_right=a.window_size_right,
+        softcap=a.softcap,
         alibi_slopes=None,
         return_softmax=False,
     )
@@ -210,21 +201,7 @@ def fa2_forward(
 
 
 def fa2_backward(
-    dout,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    causal,
-    softmax_scale,
-    window_size_left,
-    window_size_right,
-    softcap,
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, a: VarlenArgs
 ) -> tuple[Tensor, Tensor, Tensor]:
     q_p, k_p, v_p = _pad8(q), _pad8(k), _pad8(v)
     dq, dk, dv = torch.empty_like(q_p), torch.empty_like(k_p), torch.empty_like(v_p)
@@ -238,16 +215,16 @@ def fa2_backward(
         dq=dq,
         dk=dk,
         dv=dv,
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k,
+        cu_seqlens_q=a.cu_seqlens_q,
+        cu_seqlens_k=a.cu_seqlens_k,
+        max_seqlen_q=a.max_seqlen_q,
+        max_seqlen_k=a.max_seqlen_k,
         dropout_p=0.0,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        window_size_left=window_size_left,
-        window_size_right=window_size_right,
-        softcap=softcap,
+        softmax_scale=a.softmax_scale,
+        causal=a.causal,
+        window_size_left=a.window_size_left,
+        window_size_right=a.window_size_right,
+        softcap=a.softcap,
         alibi_slopes=None,
         deterministic=False,
     )
@@ -260,33 +237,20 @@ def fa2_backward(
 # --- FA3 ---------------------------------------------------------------------------------------
 
 
-def fa3_forward(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    causal,
-    softmax_scale,
-    window_size_left,
-    window_size_right,
-    softcap,
-) -> tuple[Tensor, Tensor]:
+def fa3_forward(q: Tensor, k: Tensor, v: Tensor, a: VarlenArgs) -> tuple[Tensor, Tensor]:
     out, lse, _, _ = _fa3().fwd(
         q=q,
         k=k,
         v=v,
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k,
-        softmax_scale=softmax_scale,
-        is_causal=causal,
-        window_size_left=window_size_left,
-        window_size_right=window_size_right,
-        softcap=softcap,
+        cu_seqlens_q=a.cu_seqlens_q,
+        cu_seqlens_k=a.cu_seqlens_k,
+        max_seqlen_q=a.max_seqlen_q,
+        max_seqlen_k=a.max_seqlen_k,
+        softmax_scale=a.softmax_scale,
+        is_causal=a.causal,
+        window_size_left=a.window_size_left,
+        window_size_right=a.window_size_right,
+        softcap=a.softcap,
     )
     if k.shape[0] == 0:  # no key in the whole batch: FA3 skips the kernel and writes +inf
         lse.fill_(-_INF)
@@ -294,21 +258,7 @@ def fa3_forward(
 
 
 def fa3_backward(
-    dout,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    causal,
-    softmax_scale,
-    window_size_left,
-    window_size_right,
-    softcap,
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, a: VarlenArgs
 ) -> tuple[Tensor, Tensor, Tensor]:
     # FA3's bwd returns its softmax_d and fp32 accumulators; the gradients land in dq, dk, dv.
     # Its preprocessing maps lse -inf to p = 0, and with total_k == 0 it only zeroes dq.
@@ -323,15 +273,15 @@ def fa3_backward(
         dq=dq,
         dk=dk,
         dv=dv,
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k,
-        softmax_scale=softmax_scale,
-        is_causal=causal,
-        window_size_left=window_size_left,
-        window_size_right=window_size_right,
-        softcap=softcap,
+        cu_seqlens_q=a.cu_seqlens_q,
+        cu_seqlens_k=a.cu_seqlens_k,
+        max_seqlen_q=a.max_seqlen_q,
+        max_seqlen_k=a.max_seqlen_k,
+        softmax_scale=a.softmax_scale,
+        is_causal=a.causal,
+        window_size_left=a.window_size_left,
+        window_size_right=a.window_size_right,
+        softcap=a.softcap,
         deterministic=False,
     )
     return dq, dk, dv
@@ -344,56 +294,29 @@ def _fa4_window(size: int) -> int | None:
     return None if size < 0 else size
 
 
-def fa4_forward(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    causal,
-    softmax_scale,
-    window_size_left,
-    window_size_right,
-    softcap,
-) -> tuple[Tensor, Tensor]:
+def fa4_forward(q: Tensor, k: Tensor, v: Tensor, a: VarlenArgs) -> tuple[Tensor, Tensor]:
     # Everything but q, k, v by keyword: FA4 inserted a positional `qv` before (beta9), and
     # later betas return more than two items.
     result = _fa4()._flash_attn_fwd(
         q,
         k,
         v,
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        window_size_left=_fa4_window(window_size_left),
-        window_size_right=_fa4_window(window_size_right),
-        softcap=softcap if softcap > 0.0 else None,
+        cu_seqlens_q=a.cu_seqlens_q,
+        cu_seqlens_k=a.cu_seqlens_k,
+        max_seqlen_q=a.max_seqlen_q,
+        max_seqlen_k=a.max_seqlen_k,
+        softmax_scale=a.softmax_scale,
+        causal=a.causal,
+        window_size_left=_fa4_window(a.window_size_left),
+        window_size_right=_fa4_window(a.window_size_right),
+        softcap=a.softcap if a.softcap > 0.0 else None,
         return_lse=True,
     )
     return result[0], result[1]
 
 
 def fa4_backward(
-    dout,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    causal,
-    softmax_scale,
-    window_size_left,
-    window_size_right,
-    softcap,
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, a: VarlenArgs
 ) -> tuple[Tensor, Tensor, Tensor]:
     grads = _fa4()._flash_attn_bwd(
         q,
@@ -402,14 +325,14 @@ def fa4_backward(
         out,
         dout,
         lse,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        softcap=softcap,
-        window_size_left=_fa4_window(window_size_left),
-        window_size_right=_fa4_window(window_size_right),
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k,
+        softmax_scale=a.softmax_scale,
+        causal=a.causal,
+        softcap=a.softcap,
+        window_size_left=_fa4_window(a.window_size_left),
+        window_size_right=_fa4_window(a.window_size_right),
+        cu_seqlens_q=a.cu_seqlens_q,
+        cu_seqlens_k=a.cu_seqlens_k,
+        max_seqlen_q=a.max_seqlen_q,
+        max_seqlen_k=a.max_seqlen_k,
     )
     return grads[0], grads[1], grads[2]

@@ -28,7 +28,7 @@ from torch import Tensor
 from prime_ops import native
 from prime_ops.attn.sdpa import lse_dtype
 from prime_ops.attn.seqlens import can_read, shard_cu_seqlens, spans
-from prime_ops.attn.varlen import check_arguments, get_backend
+from prime_ops.attn.varlen import VarlenArgs, check_arguments, get_backend, head_dim_strided
 from prime_ops.groups import Fingerprint, agree, checked_mode, rank_local, resolve, resolve_name
 
 __all__ = ["merge_partial", "ring_attention"]
@@ -97,22 +97,14 @@ def _steps(rank: int, world: int, causal: bool):
             yield step, (src, causal and src == rank)
 
 
+def _step(cu_q, cu_k, max_len, causal, softmax_scale, softcap) -> VarlenArgs:
+    return VarlenArgs(cu_q, cu_k, max_len, max_len, causal, softmax_scale, *_NO_WINDOW, softcap)
+
+
 def _check(q, k, v, cu_seqlens, max_seqlen, softmax_scale, softcap, backend, grads=None):
     spec = get_backend(backend)
-    check_arguments(
-        spec,
-        q,
-        k,
-        v,
-        cu_seqlens,
-        cu_seqlens,
-        max_seqlen,
-        max_seqlen,
-        softmax_scale,
-        *_NO_WINDOW,
-        softcap,
-        grads=grads,
-    )
+    a = _step(cu_seqlens, cu_seqlens, max_seqlen, False, softmax_scale, softcap)
+    check_arguments(spec, q, k, v, a, grads=grads)
     if k.shape[0] != q.shape[0]:
         raise ValueError(
             f"ring attention needs q, k, v shards of the same length; got {q.shape[0]} query and "
@@ -154,19 +146,8 @@ def _ring_attention(
             src, step_causal = computing[step]
             k_s, v_s = _unpack(current, (k, v))
             cu_k = shard_cu_seqlens(cu_seqlens, src * tokens, tokens)
-            part_out, part_lse = spec.forward(
-                q,
-                k_s,
-                v_s,
-                cu_q,
-                cu_k,
-                max_len,
-                max_len,
-                step_causal,
-                softmax_scale,
-                *_NO_WINDOW,
-                softcap,
-            )
+            step_args = _step(cu_q, cu_k, max_len, step_causal, softmax_scale, softcap)
+            part_out, part_lse = spec.forward(head_dim_strided(q), k_s, v_s, step_args)
             out, lse = merge_partial(out, lse, part_out, part_lse)
         _wait(reqs)
     return out.to(q.dtype), lse
@@ -218,22 +199,9 @@ def _ring_attention_backward(
             src, step_causal = computing[step]
             k_s, v_s = _unpack(current, (k, v))
             cu_k = shard_cu_seqlens(cu_seqlens, src * tokens, tokens)
-            dq_s, dk_s, dv_s = spec.backward(
-                dout,
-                q,
-                k_s,
-                v_s,
-                out,
-                lse,
-                cu_q,
-                cu_k,
-                max_len,
-                max_len,
-                step_causal,
-                softmax_scale,
-                *_NO_WINDOW,
-                softcap,
-            )
+            step_args = _step(cu_q, cu_k, max_len, step_causal, softmax_scale, softcap)
+            q_s = head_dim_strided(q)
+            dq_s, dk_s, dv_s = spec.backward(dout, q_s, k_s, v_s, out, lse, step_args)
             dq += dq_s
             partial = _pack(dk_s, dv_s, dtype=acc)
         _wait(dkv_reqs)  # dkv now holds the accumulator of this step's shard

@@ -12,9 +12,14 @@ the flash backends are for production sizes.
 from __future__ import annotations
 
 import torch
+from typing import TYPE_CHECKING
+
 from torch import Tensor
 
 from prime_ops.attn.seqlens import spans
+
+if TYPE_CHECKING:
+    from prime_ops.attn.varlen import VarlenArgs
 
 __all__ = ["backward", "forward", "lse_dtype", "visible"]
 
@@ -37,6 +42,10 @@ def visible(len_q: int, len_k: int, causal: bool, left: int, right: int, device)
     return mask
 
 
+def _mask(len_q: int, len_k: int, a: VarlenArgs, device) -> Tensor:
+    return visible(len_q, len_k, a.causal, a.window_size_left, a.window_size_right, device)
+
+
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
@@ -50,7 +59,7 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
 def _heads(x: Tensor, groups: int, dtype: torch.dtype) -> Tensor:
     """``[L, H, D]`` -> ``[H // groups, groups, L, D]``: query heads grouped by their kv head."""
     length, heads, dim = x.shape
-    return x.to(dtype).view(length, heads // groups, groups, dim).permute(1, 2, 0, 3)
+    return x.to(dtype).reshape(length, heads // groups, groups, dim).permute(1, 2, 0, 3)
 
 
 def _unheads(x: Tensor) -> Tensor:
@@ -73,26 +82,13 @@ def _finite(lse: Tensor) -> Tensor:
     return lse.masked_fill(lse == float("-inf"), 0.0)
 
 
-def _sequences(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-    spans_q = spans(cu_seqlens_q, q.shape[0], max_seqlen_q, "cu_seqlens_q")
-    spans_k = spans(cu_seqlens_k, k.shape[0], max_seqlen_k, "cu_seqlens_k")
+def _sequences(q, k, a):
+    spans_q = spans(a.cu_seqlens_q, q.shape[0], a.max_seqlen_q, "cu_seqlens_q")
+    spans_k = spans(a.cu_seqlens_k, k.shape[0], a.max_seqlen_k, "cu_seqlens_k")
     return [(sq, sk) for sq, sk in zip(spans_q, spans_k, strict=True) if sq[1] > sq[0]]
 
 
-def forward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    causal: bool,
-    softmax_scale: float,
-    window_size_left: int,
-    window_size_right: int,
-    softcap: float,
-) -> tuple[Tensor, Tensor]:
+def forward(q: Tensor, k: Tensor, v: Tensor, a: VarlenArgs) -> tuple[Tensor, Tensor]:
     """``(out [T, H, Dv], lse [H, T])``; rows that see no key get out 0 and lse -inf."""
     groups = q.shape[1] // k.shape[1]
     acc = _compute_dtype(q.dtype)
@@ -100,14 +96,12 @@ def forward(
     lse = torch.full(
         (q.shape[1], q.shape[0]), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device
     )
-    for (q0, q1), (k0, k1) in _sequences(
-        q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
-    ):
+    for (q0, q1), (k0, k1) in _sequences(q, k, a):
         qs = _heads(q[q0:q1], groups, acc)
         ks = _heads(k[k0:k1], 1, acc)
         vs = _heads(v[k0:k1], 1, acc)
-        scores, _ = _scores(qs, ks, softmax_scale, softcap)
-        mask = visible(q1 - q0, k1 - k0, causal, window_size_left, window_size_right, q.device)
+        scores, _ = _scores(qs, ks, a.softmax_scale, a.softcap)
+        mask = _mask(q1 - q0, k1 - k0, a, q.device)
         scores = scores.masked_fill(~mask, float("-inf"))
         seq_lse = torch.logsumexp(scores, dim=-1)
         probs = torch.exp(scores - _finite(seq_lse)[..., None])
@@ -117,37 +111,21 @@ def forward(
 
 
 def backward(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    causal: bool,
-    softmax_scale: float,
-    window_size_left: int,
-    window_size_right: int,
-    softcap: float,
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, a: VarlenArgs
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` from the given ``out`` and ``lse`` (which may be global, see module doc)."""
     groups = q.shape[1] // k.shape[1]
     acc = _compute_dtype(q.dtype)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for (q0, q1), (k0, k1) in _sequences(
-        q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
-    ):
+    for (q0, q1), (k0, k1) in _sequences(q, k, a):
         qs = _heads(q[q0:q1], groups, acc)
         ks = _heads(k[k0:k1], 1, acc)
         vs = _heads(v[k0:k1], 1, acc)
         dos = _heads(dout[q0:q1], groups, acc)
         os_ = _heads(out[q0:q1], groups, acc)
         seq_lse = lse[:, q0:q1].to(acc).reshape(k.shape[1], groups, q1 - q0)
-        scores, capped = _scores(qs, ks, softmax_scale, softcap)
-        mask = visible(q1 - q0, k1 - k0, causal, window_size_left, window_size_right, q.device)
+        scores, capped = _scores(qs, ks, a.softmax_scale, a.softcap)
+        mask = _mask(q1 - q0, k1 - k0, a, q.device)
         scores = scores.masked_fill(~mask, float("-inf"))
         probs = torch.exp(scores - _finite(seq_lse)[..., None])
         dprobs = torch.matmul(dos, vs.transpose(-1, -2))
@@ -155,7 +133,7 @@ def backward(
         dscores = probs * (dprobs - delta)
         if capped is not None:
             dscores = dscores * (1.0 - capped * capped)
-        dscores = dscores * softmax_scale
+        dscores = dscores * a.softmax_scale
         dq[q0:q1] = _unheads(torch.matmul(dscores, ks)).to(dq.dtype)
         dk[k0:k1] = _unheads(torch.matmul(dscores.transpose(-1, -2), qs).sum(1, keepdim=True)).to(
             dk.dtype
