@@ -7,7 +7,11 @@ the normal test run is what builds it in CI; without a C++ compiler or ninja the
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,15 +28,20 @@ _FP8_MAX = 448.0
 
 
 _NO_BUILD = {  # what works on a machine that cannot build the library
-    "test_unbuilt_library_raises_backend_unavailable",
     "test_fakes_work_without_kernels",
     "test_cuda_sources_compile",
     "test_cache_key_holds_the_instruction_set",
-    "test_an_unusable_library_is_rebuilt_once_with_the_reason",
+    "test_an_unusable_library_is_never_loaded_and_is_rebuilt_once",
     "test_a_rebuild_that_fails_leaves_the_python_paths",
-    "test_a_stale_lock_is_reported_and_removed",
-    "test_a_live_lock_is_waited_on_for_a_bounded_time",
+    "test_the_process_loads_a_sealed_private_copy",
+    "test_a_build_publishes_whole_files_by_rename",
     "test_a_compile_prints_when_it_starts_and_ends",
+    "test_a_lock_nobody_can_be_holding_is_removed_not_waited_on",
+    "test_a_live_lock_is_waited_on_for_a_bounded_time",
+    "test_a_call_during_a_build_waits_for_it_and_says_so",
+    "test_a_build_that_outlasts_the_wait_is_named_in_the_error",
+    "test_a_valid_library_under_a_live_lock_loads_without_waiting",
+    "test_an_unbuilt_library_says_how_to_build_it",
 }
 
 
@@ -508,13 +517,6 @@ def test_each_op_is_one_operator(gen):
     ]
 
 
-def test_unbuilt_library_raises_backend_unavailable(monkeypatch):
-    monkeypatch.setattr(native_build, "load", lambda: False)
-    kernel = native._unavailable("moe_permute")
-    with pytest.raises(BackendUnavailable, match="python -m prime_ops.native"):
-        kernel(torch.zeros(2, 4), torch.zeros(2, 1, dtype=torch.long), 2, 1)
-
-
 def test_has_kernel_names_the_devices_built():
     assert native.has_kernel("moe_permute", torch.device("cpu"))
     assert not native.has_kernel("moe_permute", torch.device("meta"))
@@ -577,35 +579,61 @@ def test_a_process_that_found_no_build_keeps_the_python_paths(tmp_path, monkeypa
     assert native_build.load() is False  # loading it would raise: not even tried
 
 
-# --- the build cache: instruction set in the key, checksummed libraries, owned locks ------------
+# --- the build cache: instruction set in the key, verified libraries, owned locks --------------
 
 
 @pytest.fixture
 def fresh_cache(tmp_path, monkeypatch):
     """An empty cache directory and a process state that has loaded nothing; libraries are
-    'loaded' by a recorder (loading a second copy of the real one would register it twice)."""
+    'loaded' by a recorder of the bytes handed to dlopen (loading a second copy of the real
+    library would register its ops twice)."""
     monkeypatch.setenv("PRIME_OPS_NATIVE_DIR", str(tmp_path))
     monkeypatch.setattr(native_build, "_loaded", None)
     monkeypatch.setattr(native_build, "_found_none", False)
+    monkeypatch.setattr(native_build, "_why", "")
     monkeypatch.setattr(native_build, "torch_supported", lambda: True)
     loaded = []
-    monkeypatch.setattr(torch.ops, "load_library", lambda path: loaded.append(path))
+    monkeypatch.setattr(native_build, "_dlopen", lambda p: loaded.append(Path(p).read_bytes()))
     return loaded
 
 
-def _fake_compile(monkeypatch, library_bytes=b"\x7fELF a complete library"):
-    """Replace the compiler: write the library and its record as a finished build does."""
+def _elf() -> bytes:
+    """A small, whole shared library that a linker wrote (torch's own extension module)."""
+    return Path(torch._C.__file__).read_bytes()
+
+
+def _cached(data: bytes, record: bytes | None = None) -> Path:
+    """A library in the (fresh) CPU cache directory with a finished build's record of ``record``
+    (default: of ``data``)."""
+    out = native_build.cache_dir(False)
+    out.mkdir(parents=True, exist_ok=True)
+    library = native_build._library(out)
+    library.write_bytes(data)
+    native_build._stamp(library).write_text(native_build._record(record or data))
+    return library
+
+
+def _fake_compile(monkeypatch):
+    """Replace the compiler: publish a whole library as a finished build does."""
     compiled = []
 
     def compile_(out, cuda, verbose):
         compiled.append(out)
-        library = native_build._library(out)
-        library.write_bytes(library_bytes)
-        native_build._stamp(library).write_text(native_build._digest(library))
+        library = _cached(_elf())
         native_build._loaded = library
 
     monkeypatch.setattr(native_build, "_compile", compile_)
     return compiled
+
+
+def _lock(**changes) -> Path:
+    """A build lock in the CPU cache directory naming a live process (this test's parent),
+    with ``changes`` to its record."""
+    out = native_build.cache_dir(False)
+    out.mkdir(parents=True, exist_ok=True)
+    owner = native_build._owner_record(os.getppid()) | changes
+    (out / native_build.LOCK).write_text(json.dumps(owner))
+    return out / native_build.LOCK
 
 
 def test_cache_key_holds_the_instruction_set(monkeypatch):
@@ -619,41 +647,58 @@ def test_cache_key_holds_the_instruction_set(monkeypatch):
     assert native_build.cache_dir(False).parent == avx2.parent
 
 
-@pytest.mark.parametrize("damage", ["truncated", "no record", "does not load"])
-def test_an_unusable_library_is_rebuilt_once_with_the_reason(
+def test_the_built_library_verifies_and_a_cut_copy_does_not(native_library):
+    """The real build passes every check; the same bytes cut short fail the ELF check even
+    with a record written for the cut bytes (the checksum alone let that through: SIGBUS)."""
+    data, problem = native_build._read_verified(native_library)
+    assert problem is None and data == native_library.read_bytes()
+    for keep in (len(data) - 1, len(data) // 2, 4096):
+        assert "truncated" in native_build._elf_problem(data[:keep])
+    assert native_build._elf_problem(b"\x7fELF" + bytes(60)) is not None  # 32-bit / empty
+
+
+DAMAGE = {  # what was done to a cached library, and the reason its load refuses it
+    "cut, record of the whole": ("holds", lambda d: (d[: len(d) // 2], d)),
+    "cut, record of the cut bytes": ("truncated", lambda d: (d[: len(d) // 2], d[: len(d) // 2])),
+    "same size, other bytes": ("differ", lambda d: (d[:99] + bytes([d[99] ^ 1]) + d[100:], d)),
+    "not an ELF file": ("not a 64-bit ELF", lambda d: (b"garbage", b"garbage")),
+    "no record": ("is missing", lambda d: (d, None)),
+}
+
+
+@pytest.mark.parametrize("damage", [*DAMAGE, "does not load"])
+def test_an_unusable_library_is_never_loaded_and_is_rebuilt_once(
     damage, fresh_cache, monkeypatch, capsys
 ):
-    """Before, a truncated cached library was loaded (bus error) and never rebuilt."""
-    out = native_build.cache_dir(False)
-    out.mkdir(parents=True)
-    library = native_build._library(out)
-    library.write_bytes(b"\x7fELF a complete library")
-    native_build._stamp(library).write_text(native_build._digest(library))
-    if damage == "truncated":
-        library.write_bytes(b"\x7fELF a compl")
-    elif damage == "no record":
-        native_build._stamp(library).unlink()
+    """Before, a truncated library whose checksum record matched its cut bytes was handed to
+    dlopen (bus error)."""
+    if damage in DAMAGE:
+        reason, make = DAMAGE[damage]
+        data, record = make(_elf())
+        library = _cached(data, record)
+        if record is None:
+            native_build._stamp(library).unlink()
     else:
+        reason, data = "undefined symbol", _elf()
+        library = _cached(data)
         failures = iter([OSError("undefined symbol: aoti_torch_foo")])
 
-        def load_library(path):
+        def dlopen(path):
             if next(failures, None) is not None:
                 raise OSError("undefined symbol: aoti_torch_foo")
-            fresh_cache.append(path)
+            fresh_cache.append(Path(path).read_bytes())
 
-        monkeypatch.setattr(torch.ops, "load_library", load_library)
+        monkeypatch.setattr(native_build, "_dlopen", dlopen)
     compiled = _fake_compile(monkeypatch)
     assert native_build.load() is True
-    assert compiled == [out]
-    reason = {"truncated": "bytes differ", "no record": "is missing", "does not load": "undefined"}
+    assert compiled == [library.parent]
+    assert data not in fresh_cache or damage == "does not load"  # never handed to dlopen
     err = capsys.readouterr().err
-    assert "unusable" in err and reason[damage] in err and "rebuilding it once" in err
+    assert "unusable" in err and reason in err and "rebuilding it once" in err
 
 
 def test_a_rebuild_that_fails_leaves_the_python_paths(fresh_cache, monkeypatch, capsys):
-    out = native_build.cache_dir(False)
-    out.mkdir(parents=True)
-    native_build._library(out).write_bytes(b"garbage")
+    _cached(b"garbage")
 
     def no_compiler(out, cuda, verbose):
         raise RuntimeError("c++: command not found")
@@ -662,57 +707,168 @@ def test_a_rebuild_that_fails_leaves_the_python_paths(fresh_cache, monkeypatch, 
     assert native_build.load() is False and native_build.load() is False  # tried once only
     err = capsys.readouterr().err
     assert err.count("rebuilding it once") == 1 and "c++: command not found" in err
+    assert "c++: command not found" in native_build.why_not_loaded()
 
 
-def test_a_stale_lock_is_reported_and_removed(fresh_cache, monkeypatch, capsys):
-    """Before, a lock left by a killed build was waited on without bound or message."""
-    import socket
-    import subprocess
-    import sys
+def test_the_process_loads_a_sealed_private_copy(fresh_cache, monkeypatch):
+    """What it can protect against after the load (a writer that truncates the cached file in
+    place): the process mapped a sealed in-memory copy, which no write can reach."""
+    seen = []
 
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    out = native_build.cache_dir(False)
-    out.mkdir(parents=True)
-    (out / native_build.LOCK).write_text(f"{dead.pid} {socket.gethostname()}")
-    (out / "lock").write_text("")  # cpp_extension's baton of the killed build
-    compiled = _fake_compile(monkeypatch)
-    native_build.build(cuda=False)
-    assert compiled == [out] and not (out / native_build.LOCK).exists()
-    assert f"removing the stale build lock {out / native_build.LOCK} of process {dead.pid}" in (
-        capsys.readouterr().err
-    )
+    def dlopen(path):
+        with open(path, "rb") as f:
+            seen.append(f.read())
+        with pytest.raises(PermissionError), open(path, "r+b") as f:  # sealed: F_SEAL_WRITE
+            f.write(b"\0")
+        assert not Path(path).resolve().is_relative_to(native_build.cache_dir(False))
+
+    monkeypatch.setattr(native_build, "_dlopen", dlopen)
+    library = _cached(_elf())
+    assert native_build.load() is True and seen == [_elf()]
+    assert str(library) in torch.ops.loaded_libraries
+    torch.ops.loaded_libraries.discard(str(library))
 
 
-def test_a_live_lock_is_waited_on_for_a_bounded_time(fresh_cache, monkeypatch, capsys):
-    import os
-    import socket
+def test_a_build_publishes_whole_files_by_rename(fresh_cache, monkeypatch, capsys):
+    """A compile runs in a staging directory; the cached name only ever gets a whole file, by
+    rename, so a process that mapped the old one keeps its bytes (never rewritten in place)."""
+    from torch.utils import cpp_extension
 
-    out = native_build.cache_dir(False)
-    out.mkdir(parents=True)
-    (out / native_build.LOCK).write_text(f"{os.getppid()} {socket.gethostname()}")
-    monkeypatch.setattr(native_build, "LOCK_WAIT", 0.3)
-    _fake_compile(monkeypatch)
-    with pytest.raises(TimeoutError, match=f"held for over 0 s by .{os.getppid()}"):
-        native_build.build(cuda=False)
-    assert f"waiting for the build of process {os.getppid()}" in capsys.readouterr().err
-    assert native_build.load() is False  # a build in progress is not loaded
+    def load(name, build_directory, **kwargs):
+        (Path(build_directory) / f"{name}.so").write_bytes(_elf())
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    damaged = _elf()[:99] + bytes([_elf()[99] ^ 1]) + _elf()[100:]
+    old = _cached(damaged, _elf())  # held open by a reader, as a process that mapped it
+    with open(old, "rb") as reader:
+        assert native_build.load() is True
+        assert reader.read() == damaged  # its file was replaced, not written to
+    assert native_build._read_verified(old)[1] is None
+    assert sorted(p.name for p in old.parent.iterdir()) == [old.name, old.name + ".sha256"]
+    assert "built" in capsys.readouterr().err
+
+    def broken_linker(name, build_directory, **kwargs):
+        (Path(build_directory) / f"{name}.so").write_bytes(_elf()[:100])
+
+    monkeypatch.setattr(cpp_extension, "load", broken_linker)
+    with pytest.raises(RuntimeError, match="the linker wrote an unusable library"):
+        native_build._compile(old.parent, False, False)
+    assert native_build._read_verified(old)[1] is None  # the published library is untouched
+    assert not list(old.parent.glob(native_build.STAGING + "*"))
 
 
 def test_a_compile_prints_when_it_starts_and_ends(fresh_cache, monkeypatch, capsys):
     from torch.utils import cpp_extension
 
     def load(name, build_directory, **kwargs):
-        (Path(build_directory) / f"{name}.so").write_bytes(b"\x7fELF built")
+        (Path(build_directory) / f"{name}.so").write_bytes(_elf())
 
     monkeypatch.setattr(cpp_extension, "load", load)
-    out = native_build.cache_dir(False)
-    out.mkdir(parents=True)
-    (out / "half_written.o").write_bytes(b"\x7fE")  # what a killed compile leaves
     path = native_build.build(cuda=False)
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 2 and "building the CPU kernels" in lines[0] and "built" in lines[1]
-    assert not (out / "half_written.o").exists() and native_build._problem(path) is None
     native_build._loaded = None
     assert native_build.build(cuda=False) == path  # a finished build: no compile, no output
+    assert capsys.readouterr().err == "" and fresh_cache == [_elf()]
+
+
+def _dead_pid() -> int:
+    import subprocess
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    return dead.pid
+
+
+@pytest.mark.parametrize(
+    ("owner", "reason"),
+    [
+        ("dead", "no longer runs"),
+        ("this process", "this process's own PID"),
+        ("another boot", "before this machine's last boot"),
+        ("another container", "in another container"),
+        ("a reused PID", "its PID was reused"),
+        ("unreadable, old", "names no owner"),
+    ],
+)
+def test_a_lock_nobody_can_be_holding_is_removed_not_waited_on(
+    owner, reason, fresh_cache, monkeypatch, capsys
+):
+    """Before, a lock naming the caller's own PID (PID reuse in a fresh container) was waited
+    on for 900 s."""
+    changes = {
+        "dead": {"pid": _dead_pid()},
+        "this process": native_build._owner_record(os.getpid()),
+        "another boot": {"boot": "0f0f0f0f-dead-beef-0000-000000000000"},
+        "another container": {"pid_namespace": "pid:[1]"},
+        "a reused PID": {"start": "1"},
+    }
+    lock = _lock(**changes.get(owner, {}))
+    if owner == "unreadable, old":
+        lock.write_text("")
+        os.utime(lock, (time.time() - 60,) * 2)
+    monkeypatch.setattr(native_build, "LOCK_WAIT", 0.0)  # waiting at all would raise
+    compiled = _fake_compile(monkeypatch)
+    native_build.build(cuda=False)
+    assert compiled == [lock.parent] and not lock.exists()
+    err = capsys.readouterr().err
+    assert f"removing the stale build lock {lock}" in err and reason in err
+
+
+def test_a_live_lock_is_waited_on_for_a_bounded_time(fresh_cache, monkeypatch, capsys):
+    lock = _lock()
+    monkeypatch.setattr(native_build, "LOCK_WAIT", 0.3)
+    _fake_compile(monkeypatch)
+    with pytest.raises(TimeoutError, match=f"held for over 0.3 s by process {os.getppid()}"):
+        native_build.build(cuda=False)
+    err = capsys.readouterr().err
+    assert f"waiting up to 0.3 s for process {os.getppid()}" in err and lock.exists()
+
+
+def test_a_call_during_a_build_waits_for_it_and_says_so(fresh_cache, monkeypatch, capsys):
+    """Before, a native call while another process built raised 'not built on this machine.
+    Build them once with: ...', which, if followed, waited 900 s."""
+    lock = _lock()
+
+    def builder_finishes(seconds):  # the other process publishes its library, then unlocks
+        _cached(_elf())
+        lock.unlink()
+
+    monkeypatch.setattr(native_build.time, "sleep", builder_finishes)
+    kernel = native._unavailable("moe_permute")
+    monkeypatch.setattr(native, "has_kernel", lambda name, device: True)
+    monkeypatch.setattr(torch.ops.prime_rl, "moe_permute", lambda *args: "the native kernel")
+    args = torch.zeros(2, 4), torch.zeros(2, 1, dtype=torch.long), 2, 1
+    assert kernel(*args) == "the native kernel"
+    assert f"waiting up to 900 s for process {os.getppid()}" in capsys.readouterr().err
+    assert fresh_cache == [_elf()]
+
+
+def test_a_build_that_outlasts_the_wait_is_named_in_the_error(fresh_cache, monkeypatch):
+    _lock()
+    monkeypatch.setattr(native_build, "LOCK_WAIT", 0.0)
+    kernel = native._unavailable("moe_permute")
+    held = f"held for over 0 s by process {os.getppid()}"
+    with pytest.raises(BackendUnavailable, match=held) as e:
+        kernel(torch.zeros(2, 4), torch.zeros(2, 1, dtype=torch.long), 2, 1)
+    assert "not built on this machine" not in str(e.value)
+
+
+def test_a_valid_library_under_a_live_lock_loads_without_waiting(fresh_cache, monkeypatch, capsys):
+    _cached(_elf())
+    _lock()
+
+    def no_waiting(seconds):
+        raise AssertionError("waited for the lock")
+
+    monkeypatch.setattr(native_build.time, "sleep", no_waiting)
+    assert native_build.load() is True and fresh_cache == [_elf()]
+    assert native_build.build(cuda=False) == native_build._loaded
     assert capsys.readouterr().err == ""
+
+
+def test_an_unbuilt_library_says_how_to_build_it(fresh_cache):
+    assert native_build.load() is False
+    kernel = native._unavailable("moe_permute")
+    with pytest.raises(BackendUnavailable, match="not built on this machine.*python -m prime_ops"):
+        kernel(torch.zeros(2, 4), torch.zeros(2, 1, dtype=torch.long), 2, 1)

@@ -84,10 +84,7 @@ def _unavailable(name: str):
     def kernel(*args):
         device = next(a.device for a in args if isinstance(a, Tensor))
         if not _build.load():
-            raise BackendUnavailable(
-                f"prime_rl::{name} needs the native kernels of prime-ops, which are not built "
-                f"on this machine. Build them once with: {_build.BUILD_COMMAND}"
-            )
+            raise BackendUnavailable(f"prime_rl::{name} cannot run: {_build.why_not_loaded()}")
         if not has_kernel(name, device):
             raise BackendUnavailable(
                 f"prime_rl::{name} has no {device.type} kernel in the loaded native library; "

@@ -12,26 +12,34 @@ only (no CUDA torch or GPU needed), which is how CI keeps a CUDA build error fro
 
 The cache is safe to share: its key holds the sources, the flags and the instruction set
 ``-march=native`` resolves to on this CPU (a home directory shared by nodes of different CPUs
-keeps one library per CPU kind); a build records the SHA-256 of the library it wrote, and a
-library that does not match it (a killed or truncated write) or does not load is rebuilt once,
-with the reason printed; builds of one directory take turns through a lock file that names its
-owner, so a lock left by a killed build is detected and removed, and one held by a live build
-is waited on for at most ``LOCK_WAIT`` seconds.
+keeps one library per CPU kind). A build compiles into a private staging directory and
+publishes the library by atomic rename, after its SHA-256 and size; a process loads a cached
+library only once it verified it as whole (its ELF headers lie inside the file, size and
+checksum match the record), and it loads a sealed private copy, so no later write to the cached
+file can reach the pages it mapped. Builds of one directory take turns through a lock file that
+names its owner (PID, host, boot, PID namespace, start time): a lock whose owner is gone, or is
+this very process, or ran under another boot or container, is removed; a live one is waited on,
+saying so, for at most ``LOCK_WAIT`` seconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import fcntl
 import functools
 import hashlib
+import json
 import os
 import platform
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,6 +54,7 @@ __all__ = [
     "csrc_dir",
     "load",
     "torch_supported",
+    "why_not_loaded",
 ]
 
 _loaded: Path | None = None  # the library this process loaded (a process can load it once)
@@ -53,6 +62,8 @@ _loaded: Path | None = None  # the library this process loaded (a process can lo
 # another process finishes meanwhile would switch ops from the Python chains to the native
 # kernels halfway through a run, and their results differ in the last bits (router gradients).
 _found_none = False
+_why = "nothing was tried yet"  # why no library is loaded (load() returned False)
+_in_process = threading.RLock()  # one build or load at a time within a process
 
 BUILD_COMMAND = "python -m prime_ops.native"
 LIBRARY = "prime_ops_native"
@@ -66,6 +77,7 @@ _CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", _TARGET]
 _NVCC_FLAGS = ["-O2", "-std=c++17", "--expt-relaxed-constexpr", _TARGET]
 LOCK = "build.lock"  # ours, naming its owner; cpp_extension's own baton is "lock"
 LOCK_WAIT = 900.0  # seconds to wait for a live build of the same directory before giving up
+STAGING = ".staging-"  # prefix of the private directory a build compiles in
 
 
 def csrc_dir() -> Path:
@@ -134,27 +146,141 @@ def _stamp(library: Path) -> Path:
     return library.with_name(library.name + ".sha256")
 
 
-def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+# --- verification: a library is loaded only once it is known to be whole ------------------------
 
 
-def _problem(library: Path) -> str | None:
-    """Why ``library`` must not be loaded (None: it is the one a finished build wrote). Checked
-    before ``dlopen``: a truncated library can crash the process (bus error) instead of failing."""
-    if not library.is_file():
-        return "it does not exist"
-    stamp = _stamp(library)
-    if not stamp.is_file():
-        return f"no finished build recorded its checksum ({stamp.name} is missing)"
-    if stamp.read_text().strip() != _digest(library):
-        return "its bytes differ from those the build wrote (a truncated or overwritten file)"
+def _elf_problem(data: bytes) -> str | None:
+    """Why ``data`` is not a whole 64-bit ELF file (None: it is). The linker writes the section
+    table last, and ``dlopen`` maps every ``PT_LOAD`` segment: a file cut short anywhere ends
+    before one of them, which a checksum written for the cut bytes would not tell."""
+    if len(data) < 64 or data[:4] != b"\x7fELF" or data[4] != 2:
+        return "it is not a 64-bit ELF file"
+    order = "<" if data[5] == 1 else ">"
+    phoff, shoff = struct.unpack_from(order + "QQ", data, 32)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from(order + "HHHH", data, 54)
+    end = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    if end <= len(data):
+        for i in range(phnum):
+            header = phoff + i * phentsize
+            kind, _, offset, _, _, size = struct.unpack_from(order + "IIQQQQ", data, header)
+            if kind == 1:  # PT_LOAD
+                end = max(end, offset + size)
+    if end > len(data):
+        return f"it is truncated: its ELF headers describe {end} bytes, the file holds {len(data)}"
     return None
 
 
-def _lock_owner(lock: Path) -> tuple[int, str] | None:
-    with contextlib.suppress(OSError, ValueError):
-        pid, host = lock.read_text().split(maxsplit=1)
-        return int(pid), host.strip()
+def _record(data: bytes) -> str:
+    return f"{hashlib.sha256(data).hexdigest()} {len(data)}\n"
+
+
+def _read_verified(library: Path) -> tuple[bytes, str | None]:
+    """The bytes of ``library`` and why they must not be loaded (None: a finished build wrote
+    them): a record of its checksum and size, the same size, a whole ELF file, the same checksum.
+    Read once, so the bytes checked are the bytes loaded."""
+    try:
+        data = library.read_bytes()
+    except FileNotFoundError:
+        return b"", "it does not exist"
+    try:
+        recorded = _stamp(library).read_text().split()
+    except FileNotFoundError:
+        return data, f"no finished build recorded its checksum ({_stamp(library).name} is missing)"
+    if len(recorded) > 1 and recorded[1] != str(len(data)):
+        return data, f"it holds {len(data)} bytes, the build wrote {recorded[1]} (cut or replaced)"
+    problem = _elf_problem(data)
+    if problem is not None:
+        return data, problem
+    if not recorded or recorded[0] != hashlib.sha256(data).hexdigest():
+        return data, "its bytes differ from those the build wrote (a truncated or overwritten file)"
+    return data, None
+
+
+def _load_private_copy(data: bytes, name: str) -> None:
+    """``dlopen`` a sealed in-memory copy of a verified library, never the cached file: pages of
+    a mapped file are read at first use, so a file truncated or rewritten in place after the
+    load (an outside writer, a copy onto it) would be a SIGBUS at the next native call."""
+    if not hasattr(os, "memfd_create"):  # not Linux: load the checked file itself
+        torch.ops.load_library(name)
+        return
+    fd = os.memfd_create(Path(name).name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+        _dlopen(f"/proc/self/fd/{fd}")
+    finally:
+        os.close(fd)  # the mapping keeps the copy alive
+    torch.ops.loaded_libraries.add(name)
+
+
+def _dlopen(path: str) -> None:
+    """What ``torch.ops.load_library`` does, minus its ``realpath``: that turns a memfd's
+    ``/proc/self/fd/N`` into a name no file has."""
+    try:
+        ctypes.CDLL(path)
+    except OSError as exc:
+        raise OSError(f"could not load {path}: {exc}") from exc
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """``path`` holds either its old bytes or all of ``data``, never a part: written under a
+    temporary name, flushed to disk, then renamed over it (a process that mapped the old file
+    keeps its pages: a rename never rewrites a file in place)."""
+    staged = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(staged, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        staged.replace(path)
+    finally:
+        staged.unlink(missing_ok=True)
+
+
+# --- the build lock: owned by a process that can be told apart from any other -------------------
+
+
+def _start_time(pid: int) -> str | None:
+    """When ``pid`` started (clock ticks after boot): tells a PID's reuse from its first owner."""
+    with contextlib.suppress(OSError, IndexError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    return None
+
+
+def _read(path: str) -> str | None:
+    with contextlib.suppress(OSError):
+        return Path(path).read_text().strip()
+    return None
+
+
+def _owner_record(pid: int) -> dict:
+    """What identifies process ``pid`` of this process's container: its host, this boot, its PID
+    namespace (a container of its own, where PIDs restart at 1) and its start time."""
+    namespace = None
+    with contextlib.suppress(OSError):
+        namespace = os.readlink("/proc/self/ns/pid")
+    return {
+        "pid": pid,
+        "host": socket.gethostname(),
+        "boot": _read("/proc/sys/kernel/random/boot_id"),
+        "pid_namespace": namespace,
+        "start": _start_time(pid),
+    }
+
+
+def _lock_owner(lock: Path) -> dict | None:
+    """The owner a lock names (older prime-ops wrote ``"<pid> <host>"``); None if unreadable."""
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError, AttributeError):
+        text = lock.read_text()
+        if text.startswith("{"):
+            owner = json.loads(text)
+            owner["pid"] = int(owner["pid"])
+            return owner
+        pid, host = text.split(maxsplit=1)
+        return {"pid": int(pid), "host": host.strip()}
     return None
 
 
@@ -168,51 +294,79 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _held(out: Path) -> bool:
-    """Whether a live process on this host holds the build lock of ``out`` (a build is writing)."""
-    owner = _lock_owner(out / LOCK)
-    return owner is not None and owner[1] == socket.gethostname() and _alive(owner[0])
+def _why_stale(owner: dict | None, age: float) -> str | None:
+    """Why the lock's owner cannot be building now (None: it may be, so wait for it)."""
+    if owner is None:
+        return "it names no owner" if age > 30 else None  # else: being written now
+    pid, me = owner["pid"], _owner_record(os.getpid())
+    if owner.get("host") != me["host"]:
+        return None  # another machine sharing the directory: nothing here can tell
+    elsewhere = {"boot": "before this machine's last boot", "pid_namespace": "in another container"}
+    for key, where in elsewhere.items():  # its PID says nothing here
+        if owner.get(key) and me[key] and owner[key] != me[key]:
+            return f"process {pid} ran {where}"
+    if pid == me["pid"]:
+        return f"it names this process's own PID {pid}, taken over from an earlier process"
+    if not _alive(pid):
+        return f"process {pid} no longer runs"
+    if owner.get("start") and owner["start"] != _start_time(pid):
+        return f"process {pid} is not the one that took it (its PID was reused)"
+    return None
+
+
+def _describe(owner: dict | None) -> str:
+    return "a process" if owner is None else f"process {owner['pid']} on {owner.get('host')}"
+
+
+def _wait_for_lock(lock: Path, deadline: float) -> None:
+    """Return once ``lock`` is free: absent, or left by an owner that cannot be building now
+    (reported and removed). A possibly live owner is waited on, saying so, until ``deadline``
+    (``time.monotonic()``), then TimeoutError names it."""
+    said = False
+    while True:
+        owner = _lock_owner(lock)
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        stale = _why_stale(owner, age)
+        if stale is not None:
+            _say(f"removing the stale build lock {lock}: {stale}")
+            lock.unlink(missing_ok=True)
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"{lock} has been held for over {LOCK_WAIT:g} s by {_describe(owner)}; if no "
+                f"build is running there, delete it and run {BUILD_COMMAND}"
+            )
+        if not said:
+            _say(
+                f"waiting up to {LOCK_WAIT:g} s for {_describe(owner)}, which is building the "
+                f"native kernels into {lock.parent} (its lock is {age:.0f} s old)"
+            )
+            said = True
+        time.sleep(0.2)
 
 
 @contextlib.contextmanager
 def _build_lock(out: Path) -> Iterator[None]:
-    """Hold ``out/build.lock`` (``"<pid> <host>"``). A lock whose owner no longer runs on this
-    host is reported and removed; a live owner (or one on another host) is waited on for at most
-    :data:`LOCK_WAIT` seconds."""
-    lock, since = out / LOCK, None
+    """Hold ``out/build.lock``, which records this process (:func:`_owner_record`)."""
+    lock, deadline = out / LOCK, time.monotonic() + LOCK_WAIT
+    me = _owner_record(os.getpid())
     while True:
+        _wait_for_lock(lock, deadline)
         try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            owner = _lock_owner(lock)
-            try:
-                age = time.time() - lock.stat().st_mtime
-            except FileNotFoundError:  # released meanwhile
-                continue
-            here = owner is not None and owner[1] == socket.gethostname()
-            if (owner is None and age > 30) or (here and not _alive(owner[0])):
-                who = "an unreadable owner" if owner is None else f"process {owner[0]}"
-                _say(f"removing the stale build lock {lock} of {who}, which no longer runs")
-                lock.unlink(missing_ok=True)
-                continue
-            if since is None:
-                who = "a process" if owner is None else f"process {owner[0]} on {owner[1]}"
-                _say(f"waiting for the build of {who} ({lock})")
-                since = time.monotonic()
-            if time.monotonic() - since > LOCK_WAIT:
-                raise TimeoutError(
-                    f"{lock} has been held for over {LOCK_WAIT:.0f} s by {owner}; if no build "
-                    f"is running there, delete it and run {BUILD_COMMAND}"
-                ) from None
-            time.sleep(0.2)
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:  # another process took it first
             continue
         with os.fdopen(fd, "w") as f:
-            f.write(f"{os.getpid()} {socket.gethostname()}")
+            json.dump(me, f)
         break
     try:
         yield
     finally:
-        lock.unlink(missing_ok=True)
+        if _lock_owner(lock) == me:  # not if another process removed it as stale meanwhile
+            lock.unlink(missing_ok=True)
 
 
 def torch_supported() -> bool:
@@ -247,97 +401,137 @@ def build(*, cuda: bool | None = None, verbose: bool = False) -> Path:
     one).
     """
     global _loaded
-    if _loaded is not None:
-        return _loaded
-    if not torch_supported():
-        raise RuntimeError(
-            f"the native kernels need torch >= {ABI_TARGET[0]}.{ABI_TARGET[1]} (LibTorch stable "
-            f"ABI); this is torch {torch.__version__}"
-        )
-    cuda = _cuda_wanted() if cuda is None else cuda
-    out = cache_dir(cuda)
-    out.mkdir(parents=True, exist_ok=True)
-    library = _library(out)
-    if _problem(library) is not None:
-        with _build_lock(out):
-            if _problem(library) is not None:  # not finished by another process meanwhile
-                _compile(out, cuda, verbose)
-    if _loaded is None:
-        torch.ops.load_library(str(library))
+    with _in_process:
+        if _loaded is not None:
+            return _loaded
+        if not torch_supported():
+            raise RuntimeError(
+                f"the native kernels need torch >= {ABI_TARGET[0]}.{ABI_TARGET[1]} (LibTorch "
+                f"stable ABI); this is torch {torch.__version__}"
+            )
+        cuda = _cuda_wanted() if cuda is None else cuda
+        out = cache_dir(cuda)
+        out.mkdir(parents=True, exist_ok=True)
+        library = _library(out)
+        data, problem = _read_verified(library)
+        if problem is not None:
+            with _build_lock(out):
+                data, problem = _read_verified(library)  # finished by another process meanwhile?
+                if problem is not None:
+                    _compile(out, cuda, verbose)
+                    return library
+        _load_private_copy(data, str(library))
         _loaded = library
-    return _loaded
+        return library
 
 
 def _compile(out: Path, cuda: bool, verbose: bool) -> None:
-    """A clean build into ``out`` (the lock held): whatever a killed build left is removed, so
-    ninja cannot take a partial object file for a finished one."""
+    """Build into a fresh staging directory of ``out`` (the lock held), load the result, then
+    publish it: its record, then the library, each by atomic rename. A killed build leaves its
+    staging directory behind, never a partial library under the cached name."""
     from torch.utils import cpp_extension
 
     global _loaded
-    for path in out.iterdir():
-        if path.name != LOCK:
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    for old in out.glob(STAGING + "*"):  # left by killed builds (a live one keeps touching its)
+        with contextlib.suppress(OSError):
+            if time.time() - old.stat().st_mtime > LOCK_WAIT:
+                shutil.rmtree(old, ignore_errors=True)
+    staging = Path(tempfile.mkdtemp(prefix=STAGING, dir=out))
     start = time.perf_counter()
     _say(f"building the {'CPU + CUDA' if cuda else 'CPU'} kernels into {out} (once per machine)")
     os.environ.setdefault("MAX_JOBS", str(min(4, os.cpu_count() or 1)))
-    cpp_extension.load(  # compiles, links and loads the library
-        name=LIBRARY,
-        sources=_sources(cuda),
-        extra_cflags=_CFLAGS,
-        extra_cuda_cflags=_NVCC_FLAGS,
-        build_directory=str(out),
-        is_python_module=False,
-        with_cuda=cuda,
-        verbose=verbose,
-    )
-    library = _library(out)
-    _loaded = library
-    staged = _stamp(library).with_suffix(".tmp")
-    staged.write_text(_digest(library))
-    staged.replace(_stamp(library))  # the record appears only once the library is complete
+    try:
+        cpp_extension.load(  # compiles, links and loads the library
+            name=LIBRARY,
+            sources=_sources(cuda),
+            extra_cflags=_CFLAGS,
+            extra_cuda_cflags=_NVCC_FLAGS,
+            build_directory=str(staging),
+            is_python_module=False,
+            with_cuda=cuda,
+            verbose=verbose,
+        )
+        library = _library(out)
+        _loaded = library
+        data = _library(staging).read_bytes()
+        problem = _elf_problem(data)
+        if problem is not None:
+            raise RuntimeError(f"the linker wrote an unusable library ({problem})")
+        _write_atomically(_stamp(library), _record(data).encode())
+        _write_atomically(library, data)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # this process keeps its mapped copy
     _say(f"built {library} in {time.perf_counter() - start:.1f} s")
+
+
+def _not_built(dirs: list[Path]) -> str:
+    return (
+        f"the native kernels of prime-ops are not built on this machine (no library in "
+        f"{' or '.join(map(str, dirs))}). Build them once with: {BUILD_COMMAND}"
+    )
 
 
 def load() -> bool:
     """Load the cached library if a finished build exists (no compiler needed); True once loaded.
 
-    A library that fails its checksum or does not load is rebuilt once, with the reason
-    printed. Decided on the first call: a process that found no build (or only one being
-    written by another process) keeps the Python paths until it calls :func:`build` itself.
+    A library another process is building is waited for (at most :data:`LOCK_WAIT` seconds,
+    with a message). A library that fails its checks or does not load is rebuilt once, with the
+    reason printed. Decided on the first call: a process that found no build keeps the Python
+    paths until it calls :func:`build` itself. :func:`why_not_loaded` says why it returned False.
     """
-    global _loaded, _found_none
-    if _loaded is not None:
-        return True
-    if _found_none or not torch_supported():
-        return False
-    try:
-        dirs = [(cache_dir(True), True)] if torch.version.cuda else []
-        dirs.append((cache_dir(False), False))
-    except FileNotFoundError:  # no sources, so no build of them either
-        return False
-    for out, cuda in dirs:
-        library = _library(out)
-        if not library.exists() or _held(out):  # none, or a build is writing it now
-            continue
-        problem = _problem(library)
-        if problem is None:
-            try:
-                torch.ops.load_library(str(library))
-            except OSError as exc:
-                problem = f"it does not load: {exc}"
-            else:
-                _loaded = library
-                return True
-        _say(f"the cached library {library} is unusable ({problem}); rebuilding it once")
-        _stamp(library).unlink(missing_ok=True)  # so build() compiles instead of reloading it
+    global _loaded, _found_none, _why
+    with _in_process:
+        if _loaded is not None:
+            return True
+        if _found_none:
+            return False
+        if not torch_supported():
+            _why = f"the native kernels need torch >= 2.10, this is torch {torch.__version__}"
+            return False
         try:
-            build(cuda=cuda)
-        except Exception as exc:  # noqa: BLE001 -- any failure: keep the Python paths, say why
-            _say(f"the rebuild failed, the native ops stay off in this process: {exc}")
-            break
-        return True
-    _found_none = True
-    return False
+            dirs = [(cache_dir(True), True)] if torch.version.cuda else []
+            dirs.append((cache_dir(False), False))
+        except FileNotFoundError as exc:  # no sources, so no build of them either
+            _why = str(exc)
+            return False
+        _found_none, _why = True, _not_built([out for out, _ in dirs])
+        for out, cuda in dirs:
+            library = _library(out)
+            data, problem = _read_verified(library)
+            if problem is not None and (out / LOCK).exists():  # a build may be writing it now
+                try:
+                    _wait_for_lock(out / LOCK, time.monotonic() + LOCK_WAIT)
+                except TimeoutError as exc:
+                    _why = str(exc)
+                    return False
+                data, problem = _read_verified(library)
+            if problem is None:
+                try:
+                    _load_private_copy(data, str(library))
+                except OSError as exc:
+                    problem = f"it does not load: {exc}"
+                else:
+                    _loaded, _found_none = library, False
+                    return True
+            if not library.exists():
+                continue
+            _say(f"the cached library {library} is unusable ({problem}); rebuilding it once")
+            _stamp(library).unlink(missing_ok=True)  # so build() compiles instead of reloading it
+            try:
+                build(cuda=cuda)
+            except Exception as exc:  # noqa: BLE001 -- any failure: keep the Python paths, say why
+                _say(f"the rebuild failed, the native ops stay off in this process: {exc}")
+                _why = f"the cached library {library} is unusable ({problem}); rebuilding: {exc}"
+                return False
+            _found_none = False
+            return True
+        return False
+
+
+def why_not_loaded() -> str:
+    """Why :func:`load` returned False: no build, a build another process has held for too
+    long, an unusable library whose rebuild failed, or a torch without the stable ABI."""
+    return _why
 
 
 def check_cuda_sources(out_dir: Path | None = None) -> list[Path]:
