@@ -1,5 +1,9 @@
 """Differentiable collectives as one opaque operator each: namespace ``prime_rl_collectives``.
 
+The schemas are prime-rl's (``src/prime_rl/trainer/distributed/collectives.py`` @ 3be02f75c7b9,
+see docs/collectives.md, "prime-rl compatibility"): a trainer that registered these names itself
+can import prime_ops instead and keep its calls.
+
 Expert and context parallelism move activations between ranks inside a transformer block. As
 registered custom ops, each collective is a single node that autograd, torch.compile and
 checkpoint policies (``prime_ac`` targets the whole namespace) all see the same way. Every op's
@@ -22,14 +26,23 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from prime_ops._compat import all_gather_single, reduce_scatter_single
-from prime_ops.groups import Fingerprint, agree, checked_mode, rank_local, resolve, resolve_name
+from prime_ops._compat import all_gather_single, is_fake, reduce_scatter_single
+from prime_ops.groups import (
+    Fingerprint,
+    agree,
+    checked_mode,
+    rank_local,
+    resolve_call,
+    resolve_name,
+)
 
 __all__ = [
     "all_gather",
     "all_to_all_single",
+    "all_to_all_single_async",
     "all_to_all_single_equal",
     "reduce_scatter_sum",
+    "sync_all_to_all",
 ]
 
 NAMESPACE = "prime_rl_collectives"
@@ -43,20 +56,49 @@ def _check_tensor(x: object, op: str) -> None:
         raise TypeError(f"{op}: x must be a torch.Tensor, got {type(x).__name__}")
 
 
-def _check_int(name: str, value: object, op: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+def _check_int(name: str, value: object, op: str) -> int:
+    """An int (a SymInt while tracing is specialised to its value); bools are refused."""
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
         raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
 
 
 def _check_rank(x: torch.Tensor, op: str) -> None:
     _check_tensor(x, op)
+    if x.layout != torch.strided:
+        raise ValueError(
+            f"{op}: x has layout {x.layout}; the collectives move dense tensors, so pass "
+            "x.to_dense()"
+        )
     if x.dim() == 0:
         raise ValueError(f"{op}: x must have at least one dimension, got a 0-d tensor")
 
 
+def _check_sendable(x: object, op: str) -> None:
+    """What only a front can check before communicating: x holds data. An op called on a meta
+    tensor runs its fake (that is how tracing works) and returns at once, while the peers wait
+    in the collective; fake tensors (tracing, FakeTensorMode) are what fakes are for."""
+    _check_rank(x, op)
+    if x.device.type == "meta" and not is_fake(x):
+        raise ValueError(
+            f"{op}: x is on the meta device, which holds no data: this rank would return at "
+            "once while its peers wait in the collective. Pass a tensor on the group's device"
+        )
+
+
+def _check_group_size(group_size: object, group: dist.ProcessGroup, op: str) -> int:
+    size = _check_int("group_size", group_size, op)
+    if size != group.size():
+        raise ValueError(
+            f"{op}: group_size={size} but the group {group.group_name!r} has {group.size()} "
+            "ranks; pass group.size() (the output shape is computed from group_size)"
+        )
+    return size
+
+
 def _check_dim(x: torch.Tensor, dim: int, op: str) -> int:
     _check_rank(x, op)
-    _check_int("dim", dim, op)
+    dim = _check_int("dim", dim, op)
     if not -x.dim() <= dim < x.dim():
         raise ValueError(
             f"{op}: dim={dim} is out of range for x of shape {tuple(x.shape)}; "
@@ -204,18 +246,19 @@ _all_to_all_single_equal.register_autograd(
 
 # --- all_gather / reduce_scatter_sum --------------------------------------------------------
 
+# prime-rl's schemas, as torch infers them from its ``int`` annotations (SymInt); ``dim`` picks
+# the layout, so the kernels and fakes specialise it. ``group_size`` gives the output shape
+# without resolving the group; it must equal the group's size.
+_GATHER_SCHEMA = "(Tensor x, SymInt dim, SymInt group_size, str group_name) -> Tensor"
 
-# Explicit schemas: ``dim`` picks the layout, so it is a plain int, not a SymInt.
-@torch.library.custom_op(
-    f"{NAMESPACE}::all_gather",
-    mutates_args=(),
-    schema="(Tensor x, int dim, str group_name) -> Tensor",
-)
-def _all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+
+@torch.library.custom_op(f"{NAMESPACE}::all_gather", mutates_args=(), schema=_GATHER_SCHEMA)
+def _all_gather(x: torch.Tensor, dim: int, group_size: int, group_name: str) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``, in rank order."""
     group = resolve_name(group_name, "all_gather")
     with rank_local("all_gather", group):
         dim = _check_dim(x, dim, "all_gather")
+        _check_group_size(group_size, group, "all_gather")
     src = x.movedim(dim, 0).contiguous()
     out = src.new_empty((group.size() * src.shape[0], *src.shape[1:]))
     all_gather_single(out, src, group=group)
@@ -223,37 +266,38 @@ def _all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
 
 
 @_all_gather.register_fake
-def _(x, dim, group_name):
-    world = resolve_name(group_name, "all_gather").size()
+def _(x, dim, group_size, group_name):
+    group = resolve_name(group_name, "all_gather")
     dim = _check_dim(x, dim, "all_gather")
     shape = list(x.shape)
-    shape[dim] *= world
+    shape[dim] *= _check_group_size(group_size, group, "all_gather")
     return x.new_empty(shape)
 
 
 def _gather_scatter_setup(ctx, inputs, output):
-    _, ctx.dim, ctx.group_name = inputs
+    _, ctx.dim, ctx.group_size, ctx.group_name = inputs
 
 
 def _all_gather_backward(ctx, grad):
     # Every rank's copy of the gathered tensor fed its own loss: sum them, keep our chunk.
-    return _reduce_scatter_sum(grad, ctx.dim, ctx.group_name), None, None
+    return _reduce_scatter_sum(grad, ctx.dim, ctx.group_size, ctx.group_name), None, None, None
 
 
 _all_gather.register_autograd(_all_gather_backward, setup_context=_gather_scatter_setup)
 
 
 @torch.library.custom_op(
-    f"{NAMESPACE}::reduce_scatter_sum",
-    mutates_args=(),
-    schema="(Tensor x, int dim, str group_name) -> Tensor",
+    f"{NAMESPACE}::reduce_scatter_sum", mutates_args=(), schema=_GATHER_SCHEMA
 )
-def _reduce_scatter_sum(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+def _reduce_scatter_sum(
+    x: torch.Tensor, dim: int, group_size: int, group_name: str
+) -> torch.Tensor:
     """Sum ``x`` over ranks and keep this rank's equal chunk along ``dim``."""
     op = "reduce_scatter_sum"
     group = resolve_name(group_name, op)
     with rank_local(op, group):
         dim = _check_dim(x, dim, op)
+        _check_group_size(group_size, group, op)
         _check_divisible(x, dim, group.size(), op)
     src = x.movedim(dim, 0).contiguous()
     out = src.new_empty((src.shape[0] // group.size(), *src.shape[1:]))
@@ -262,9 +306,10 @@ def _reduce_scatter_sum(x: torch.Tensor, dim: int, group_name: str) -> torch.Ten
 
 
 @_reduce_scatter_sum.register_fake
-def _(x, dim, group_name):
-    world = resolve_name(group_name, "reduce_scatter_sum").size()
+def _(x, dim, group_size, group_name):
+    group = resolve_name(group_name, "reduce_scatter_sum")
     dim = _check_dim(x, dim, "reduce_scatter_sum")
+    world = _check_group_size(group_size, group, "reduce_scatter_sum")
     _check_divisible(x, dim, world, "reduce_scatter_sum")
     shape = list(x.shape)
     shape[dim] //= world
@@ -273,7 +318,7 @@ def _(x, dim, group_name):
 
 def _reduce_scatter_sum_backward(ctx, grad):
     # Each rank's chunk of the sum depends on every rank's input with weight one.
-    return _all_gather(grad, ctx.dim, ctx.group_name), None, None
+    return _all_gather(grad, ctx.dim, ctx.group_size, ctx.group_name), None, None, None
 
 
 _reduce_scatter_sum.register_autograd(
@@ -281,12 +326,98 @@ _reduce_scatter_sum.register_autograd(
 )
 
 
+# --- all_to_all_single_async ----------------------------------------------------------------
+
+# Pending exchanges by handle: the work and the send buffer, kept alive until waited for.
+_pending: dict[int, tuple[dist.Work, torch.Tensor]] = {}
+_issued = 0  # handles are 1, 2, ...; a handle above this was never issued on this process
+
+
+@torch.library.custom_op(f"{NAMESPACE}::all_to_all_single_async", mutates_args=())
+def _all_to_all_single_async(
+    x: torch.Tensor, output_splits: torch.Tensor, input_splits: torch.Tensor, group_name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_all_to_all_single` without waiting: ``(output, handle)``, where ``output`` holds
+    the received rows only after :func:`sync_all_to_all` (handle)."""
+    global _issued
+    op = "all_to_all_single_async"
+    group = resolve_name(group_name, op)
+    with rank_local(op, group):
+        out_sizes, in_sizes = _all_to_all_sizes(x, output_splits, input_splits, group.size())
+    src = x.contiguous()
+    out = x.new_empty((sum(out_sizes), *x.shape[1:]))
+    work = dist.all_to_all_single(out, src, out_sizes, in_sizes, group=group, async_op=True)
+    _issued += 1
+    _pending[_issued] = (work, src)
+    return out, torch.tensor([_issued], dtype=torch.int64)
+
+
+@_all_to_all_single_async.register_fake
+def _(x, output_splits, input_splits, group_name):
+    world = resolve_name(group_name, "all_to_all_single_async").size()
+    _check_splits(x, output_splits, input_splits, world)
+    rows = torch.library.get_ctx().new_dynamic_size()
+    return x.new_empty((rows, *x.shape[1:])), torch.empty(1, dtype=torch.int64)
+
+
+def _all_to_all_single_async_backward(ctx, grad, grad_handle):
+    if grad is None:
+        return None, None, None, None
+    output_splits, input_splits = ctx.saved_tensors
+    # The forward overlapped its transfer with other work; the adjoint exchange waits.
+    grad_x = _all_to_all_single(grad, input_splits, output_splits, ctx.group_name)
+    torch._check(grad_x.shape[0] == ctx.rows)
+    return grad_x, None, None, None
+
+
+_all_to_all_single_async.register_autograd(
+    _all_to_all_single_async_backward, setup_context=_all_to_all_single_setup
+)
+
+
+@torch.compiler.disable
+def sync_all_to_all(handle: torch.Tensor | int | None) -> None:
+    """Wait for the exchange :func:`all_to_all_single_async` started (prime-rl's
+    ``sync_all_to_all``): after it, the output holds the received rows. ``None`` and a handle
+    already waited for return at once; a handle never issued on this process raises. A graph
+    break under torch.compile, by design: call it where the output is first needed."""
+    if handle is None:
+        return
+    if isinstance(handle, torch.Tensor):
+        if handle.numel() != 1 or handle.dtype != torch.int64:
+            raise ValueError(
+                "sync_all_to_all: handle must be the int64 tensor of one element that "
+                f"all_to_all_single_async returned; got dtype {handle.dtype}, shape "
+                f"{tuple(handle.shape)}"
+            )
+        handle = int(handle.item())
+    elif isinstance(handle, bool) or not isinstance(handle, int):
+        raise TypeError(
+            "sync_all_to_all: handle must be the tensor all_to_all_single_async returned, an int "
+            f"or None; got {type(handle).__name__} {handle!r}"
+        )
+    if not 1 <= handle <= _issued:
+        raise ValueError(
+            f"sync_all_to_all: handle {handle} was never issued on this process (handles so "
+            f"far: 1 to {_issued}); pass the handle all_to_all_single_async returned"
+        )
+    pending = _pending.pop(handle, None)
+    if pending is not None:
+        pending[0].wait()
+
+
 # --- checked mode: what each rank's call must agree on ---------------------------------------
 
 
+def _where(x: torch.Tensor) -> dict[str, str]:
+    """Device type (not index: ranks of one group use different GPUs) and dtype of x."""
+    return {"x.dtype": str(x.dtype), "x.device": x.device.type, "x.layout": str(x.layout)}
+
+
 def _layout(x: torch.Tensor, dim: int | None = None) -> Fingerprint:
-    """Equal-size collectives: every rank's x has the same shape and dtype (and the same dim)."""
-    shared = {"x.shape": tuple(x.shape), "x.dtype": str(x.dtype)}
+    """Equal-size collectives: every rank's x has the same shape, dtype and device type (and the
+    same dim)."""
+    shared = {"x.shape": tuple(x.shape), **_where(x)}
     return Fingerprint(shared if dim is None else {**shared, "dim": dim})
 
 
@@ -321,6 +452,27 @@ def _run_checks(op: str, group: dist.ProcessGroup, describe, local=None) -> None
             (describe if local is None else local)()
 
 
+def _variable_split_checks(op, x, output_splits, input_splits, group, check_x=_check_sendable):
+    """The checks of a variable-split all-to-all front; returns the splits as tensors."""
+    splits = []
+
+    def convert():  # default mode: the op reads the sizes (a sync for device tensors) once
+        check_x(x, op)
+        splits[:] = (
+            _as_splits("output_splits", output_splits),
+            _as_splits("input_splits", input_splits),
+        )
+
+    def describe():
+        convert()
+        recv, send = _all_to_all_sizes(x, *splits, group.size())
+        shared = {"x.shape[1:]": tuple(x.shape[1:]), **_where(x)}
+        return Fingerprint(shared, tuple(send), tuple(recv))
+
+    _run_checks(op, group, describe, convert)
+    return splits
+
+
 def all_to_all_single(
     x: torch.Tensor,
     output_splits: torch.Tensor | Sequence[int],
@@ -332,8 +484,8 @@ def all_to_all_single(
     ``input_splits[i]`` rows go to rank i; ``output_splits[i]`` rows arrive from rank i. Splits
     are lists of ints or integer tensors (CPU or on ``x``'s device; the sizes are read to the
     host). The gradient is the same exchange with the splits swapped. In checked mode (see
-    :mod:`prime_ops.groups`) every rank first checks that the splits, trailing shapes and dtypes
-    of all ranks fit together.
+    :mod:`prime_ops.groups`) every rank first checks that the splits, trailing shapes, dtypes
+    and device types of all ranks fit together.
 
     Example (2 ranks; rank 0 sends 1 row to itself and 2 to rank 1)::
 
@@ -342,37 +494,46 @@ def all_to_all_single(
         out = all_to_all_single(torch.randn(sum(send), 8), recv, send)
     """
     op = "all_to_all_single"
-    group = resolve(group, op)
-    splits = []
-
-    def convert():  # default mode: the op reads the sizes (a sync for device tensors) once
-        _check_rank(x, op)
-        splits[:] = (
-            _as_splits("output_splits", output_splits),
-            _as_splits("input_splits", input_splits),
-        )
-
-    def describe():
-        convert()
-        recv, send = _all_to_all_sizes(x, *splits, group.size())
-        shared = {"x.shape[1:]": tuple(x.shape[1:]), "x.dtype": str(x.dtype)}
-        return Fingerprint(shared, tuple(send), tuple(recv))
-
-    _run_checks(op, group, describe, convert)
+    group = resolve_call(group, op)
+    splits = _variable_split_checks(op, x, output_splits, input_splits, group)
     return _all_to_all_single(x, *splits, group.group_name)
+
+
+def all_to_all_single_async(
+    x: torch.Tensor,
+    output_splits: torch.Tensor | Sequence[int],
+    input_splits: torch.Tensor | Sequence[int],
+    group: dist.ProcessGroup | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`all_to_all_single` that returns before the rows arrive: ``(output, handle)``.
+
+    Work issued between this call and ``sync_all_to_all(handle)`` (another chunk's experts, say)
+    overlaps the exchange; read ``output`` only after the sync. The gradient is the adjoint
+    exchange, which waits. prime-rl's ``all_to_all_single_async`` / ``sync_all_to_all`` pair.
+
+    Example (2 ranks, as :func:`all_to_all_single`)::
+
+        out, handle = all_to_all_single_async(torch.randn(sum(send), 8), recv, send)
+        ...  # independent work
+        sync_all_to_all(handle)
+    """
+    op = "all_to_all_single_async"
+    group = resolve_call(group, op)
+    splits = _variable_split_checks(op, x, output_splits, input_splits, group)
+    return _all_to_all_single_async(x, *splits, group.group_name)
 
 
 def all_to_all_single_equal(
     x: torch.Tensor, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """Split dim 0 into group-size equal chunks, send chunk i to rank i, receive in rank order.
-    Checked mode: every rank's x must match in shape and dtype.
+    Checked mode: every rank's x must match in shape, dtype and device type.
     """
     op = "all_to_all_single_equal"
-    group = resolve(group, op)
+    group = resolve_call(group, op)
 
     def describe():
-        _check_rank(x, op)
+        _check_sendable(x, op)
         _check_divisible(x, 0, group.size(), op)
         return _layout(x)
 
@@ -384,27 +545,34 @@ def all_gather(
     x: torch.Tensor, dim: int = 0, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """Concatenate ``x`` from every rank along ``dim``; the gradient is a sum reduce-scatter.
-    Checked mode: shape, dtype and dim must match on every rank.
+    prime-rl's front, ``all_gather(x, dim, group)``. Checked mode: shape, dtype, device type and
+    dim must match on every rank.
     """
     op = "all_gather"
-    group = resolve(group, op)
-    _run_checks(op, group, lambda: _layout(x, _check_dim(x, dim, op)))
-    return _all_gather(x, dim, group.group_name)
+    group = resolve_call(group, op)
+
+    def describe():
+        _check_sendable(x, op)
+        return _layout(x, _check_dim(x, dim, op))
+
+    _run_checks(op, group, describe)
+    return _all_gather(x, dim, group.size(), group.group_name)
 
 
 def reduce_scatter_sum(
     x: torch.Tensor, dim: int = 0, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """Sum ``x`` over ranks and return this rank's chunk along ``dim``; gradient: all-gather.
-    Checked mode: shape, dtype and dim must match on every rank.
+    Checked mode: shape, dtype, device type and dim must match on every rank.
     """
     op = "reduce_scatter_sum"
-    group = resolve(group, op)
+    group = resolve_call(group, op)
 
     def describe():
+        _check_sendable(x, op)
         checked_dim = _check_dim(x, dim, op)
         _check_divisible(x, checked_dim, group.size(), op)
         return _layout(x, checked_dim)
 
     _run_checks(op, group, describe)
-    return _reduce_scatter_sum(x, dim, group.group_name)
+    return _reduce_scatter_sum(x, dim, group.size(), group.group_name)

@@ -8,11 +8,12 @@ error raised on one rank before communicating leaves its peers waiting in the co
   sent, and an error raised there says that the other ranks may be waiting (and how to turn on
   checked mode). What it cannot see is listed in docs/collectives.md.
 - Checked mode: the front first gathers a small fingerprint of every rank's call (an error flag,
-  splits, and a digest of shapes, dtypes, ``cu_seqlens`` and flags) with one small all-gather,
-  and every rank raises the same ``ValueError`` if any rank's call raised (whatever the
-  exception) or the calls do not fit together, before the real collective starts. It costs that
-  collective and a host sync per call (measured in ``benchmarks/collectives_overhead.py``); it
-  runs in eager mode and is skipped while compiling.
+  splits, and a digest of the op's name, shapes, dtypes, device types, layouts, ``cu_seqlens``
+  and flags) with one small all-gather, and every rank raises the same ``ValueError`` if any
+  rank's call raised (whatever the exception: a ``group=`` that is no group, a bad argument, a
+  meta or sparse tensor) or the calls do not fit together, before the real collective starts.
+  It costs that collective and a host sync per call (measured in
+  ``benchmarks/collectives_overhead.py``); it runs in eager mode and is skipped while compiling.
 
 The mode belongs to the process group, not to a call: a rank that checks while its peer does
 not would meet the peer's collective with its fingerprint exchange (a hang, or an abort in gloo).
@@ -45,6 +46,7 @@ __all__ = [
     "peers_may_wait",
     "rank_local",
     "resolve",
+    "resolve_call",
     "resolve_name",
     "set_checked",
 ]
@@ -131,6 +133,25 @@ def resolve(group: Any, op: str) -> dist.ProcessGroup:
     return group
 
 
+def resolve_call(group: Any, op: str) -> dist.ProcessGroup:
+    """:func:`resolve` for a front's call, where a ``group=`` that is not a group at all must
+    not strand the peers: in checked mode the error joins the fingerprint exchange of the default
+    group, the group the peers of a rank with a mistyped ``group=`` most likely passed, so every
+    rank raises it. (A rank outside the group it passed is not awaited by that group's members;
+    it raises alone.)"""
+    try:
+        return resolve(group, op)
+    except ValueError as exc:
+        if group is dist.GroupMember.NON_GROUP_MEMBER or not checked_mode(dist.group.WORLD):
+            raise
+
+        def rejected() -> Fingerprint:
+            raise exc
+
+        agree(op, dist.group.WORLD, rejected)
+        raise  # unreachable: agree raised on every rank
+
+
 def resolve_name(group_name: str, op: str) -> dist.ProcessGroup:
     """The live group behind an op's ``group_name`` argument."""
     try:
@@ -172,7 +193,7 @@ class Fingerprint:
     ``s``'s ``send[r]`` must equal rank ``r``'s ``recv[s]``.
     """
 
-    shared: dict[str, Any]
+    shared: dict[str, Any]  # the op's name joins it in :func:`agree`
     send: tuple[int, ...] = ()
     recv: tuple[int, ...] = ()
 
@@ -203,17 +224,19 @@ def _mismatch(prints: Sequence[Fingerprint]) -> str | None:
 def agree(op: str, group: dist.ProcessGroup, describe: Callable[[], Fingerprint]) -> None:
     """Checked mode: raise the same ValueError on every rank unless every rank's call fits.
 
-    ``describe()`` runs this rank's own checks and returns its :class:`Fingerprint`; whatever it
-    raises, this rank still joins the exchange with its error flag set, so its peers raise too
-    instead of waiting in the collective. One all-gather of ``2 + 2 * world`` int64 values (on
-    :func:`exchange_device`) carries the flag, a digest of ``shared`` and the splits; only when
-    that shows a problem does a second exchange (``all_gather_object``) bring every rank's
-    details, so that all ranks raise the same message.
+    ``describe()`` runs this rank's own checks and returns its :class:`Fingerprint` (to which
+    ``op`` is added); whatever it raises, this rank still joins the exchange with its error flag
+    set, so its peers raise too instead of waiting in the collective. One all-gather of
+    ``2 + 2 * world`` int64 values (on :func:`exchange_device`) carries the flag, a digest of
+    ``shared`` and the splits; only when that shows a problem does a second exchange
+    (``all_gather_object``) bring every rank's details, so that all ranks raise the same message.
     """
     world = group.size()
     cause: Exception | None = None
     try:
         error, mine = None, describe()
+        # The op takes part: ranks that call different collectives with the same shapes differ.
+        mine = Fingerprint({"op": op, **mine.shared}, mine.send, mine.recv)
     except Exception as exc:  # noqa: BLE001 -- any error must reach the peers, not strand them
         cause = exc
         error, mine = f"{type(exc).__name__}: {exc}", None

@@ -1,4 +1,4 @@
-"""MXFP8 transport for expert parallelism: a quantised all-to-all as one ``prime_rl_collectives`` op.
+"""MXFP8 transport for expert parallelism: quantised all-to-alls as ``prime_rl_collectives`` ops.
 
 MXFP8 (OCP Microscaling spec v1.0) stores ``float8_e4m3fn`` elements with one E8M0 scale (a
 power of two, ``float8_e8m0fnu``) per 32 consecutive elements of the last dim. A token row of
@@ -6,6 +6,15 @@ power of two, ``float8_e8m0fnu``) per 32 consecutive elements of the last dim. A
 
     prime_rl_collectives::mxfp8_all_to_all_single(x, output_splits, input_splits, group_name,
         quantize_grad, scale_rule, quantizer) -> Tensor   (x's dtype, dequantised)
+
+and prime-rl's op (``src/prime_rl/trainer/distributed/collectives.py`` @ 3be02f75c7b9), whose
+backward sends in the other wire format than its forward:
+
+    prime_rl_collectives::mxfp8_all_to_all(x, output_splits, input_splits, group_name, quantized,
+        scale_rule="rceil", quantizer="torch") -> Tensor   (x's dtype)
+
+with prime-rl's fronts :func:`mxfp8_all_to_all_dispatch` (``quantized=True``: MXFP8 forward,
+full-precision gradient) and :func:`mxfp8_all_to_all_combine` (the reverse).
 
 The sending rank quantises ``x`` (rows along dim 0, as :func:`prime_ops.collectives.
 all_to_all_single`), packs elements and scales of each row into one uint8 row, exchanges them
@@ -38,14 +47,23 @@ import torch.distributed as dist
 from torch import Tensor
 
 from prime_ops.backends import import_backend
-from prime_ops.collectives import _all_to_all_sizes, _as_splits, _check_tensor, _run_checks
-from prime_ops.groups import Fingerprint, rank_local, resolve, resolve_name
+from prime_ops.collectives import (
+    _all_to_all_sizes,
+    _as_splits,
+    _check_sendable,
+    _check_tensor,
+    _run_checks,
+    _where,
+)
+from prime_ops.groups import Fingerprint, rank_local, resolve_call, resolve_name
 
 __all__ = [
     "BLOCK",
     "ELEMENT_DTYPE",
     "SCALE_DTYPE",
     "dequantize_mx",
+    "mxfp8_all_to_all_combine",
+    "mxfp8_all_to_all_dispatch",
     "mxfp8_all_to_all_single",
     "quantize_mx",
 ]
@@ -174,12 +192,10 @@ def _row_width(x: Tensor) -> int:
     return width
 
 
-def _check(x: Tensor, scale_rule: str, quantizer: str) -> None:
-    _check_tensor(x, "mxfp8_all_to_all_single")
+def _check(x: Tensor, scale_rule: str, quantizer: str, op: str = "mxfp8_all_to_all_single"):
+    _check_tensor(x, op)
     if x.dim() < 2:
-        raise ValueError(
-            f"mxfp8_all_to_all_single: x must be [rows, ..., hidden]; got shape {tuple(x.shape)}"
-        )
+        raise ValueError(f"{op}: x must be [rows, ..., hidden]; got shape {tuple(x.shape)}")
     _check_quantizable(x, scale_rule)
     _check_quantizer(x, quantizer)
 
@@ -262,12 +278,88 @@ def mxfp8_all_to_all_single(
 
         out = mxfp8_all_to_all_single(torch.randn(3, 64), [1, 1], [1, 2])  # rank 0: [2, 64]
     """
-    op = "mxfp8_all_to_all_single"
-    group = resolve(group, op)
+    options = {
+        "quantize_grad": bool(quantize_grad),
+        "scale_rule": scale_rule,
+        "quantizer": quantizer,
+    }
+    group, *splits = _front("mxfp8_all_to_all_single", x, output_splits, input_splits, group,
+                            options)  # fmt: skip
+    return _mxfp8_all_to_all_single(
+        x, *splits, group.group_name, quantize_grad, scale_rule, quantizer
+    )
+
+
+# --- prime-rl's op: mxfp8_all_to_all(..., quantized) --------------------------------------------
+
+
+@torch.library.custom_op(f"{_NAMESPACE}::mxfp8_all_to_all", mutates_args=())
+def _mxfp8_all_to_all(
+    x: Tensor,
+    output_splits: Tensor,
+    input_splits: Tensor,
+    group_name: str,
+    quantized: bool,
+    scale_rule: str = "rceil",
+    quantizer: str = "torch",
+) -> Tensor:
+    """prime-rl's MXFP8 expert-parallel all-to-all: rows travel as MXFP8 when ``quantized``
+    (dispatch), in ``x.dtype`` otherwise (combine); the output is always ``x.dtype``."""
+    op = "mxfp8_all_to_all"
+    with rank_local(op, resolve_name(group_name, op)):
+        _check(x, scale_rule, quantizer, op)
+    if not quantized:
+        return torch.ops.prime_rl_collectives.all_to_all_single(
+            x.contiguous(), output_splits, input_splits, group_name
+        )
+    wire = _pack(x, scale_rule, quantizer)
+    received = torch.ops.prime_rl_collectives.all_to_all_single(
+        wire, output_splits, input_splits, group_name
+    )
+    return _unpack(received, x)
+
+
+@_mxfp8_all_to_all.register_fake
+def _(x, output_splits, input_splits, group_name, quantized, scale_rule="rceil", quantizer="torch"):
+    _check(x, scale_rule, quantizer, "mxfp8_all_to_all")
+    received = torch.ops.prime_rl_collectives.all_to_all_single(
+        x, output_splits, input_splits, group_name
+    )
+    return x.new_empty((received.shape[0], *x.shape[1:]))
+
+
+def _a2a_setup(ctx, inputs, output):
+    x, output_splits, input_splits, group_name, quantized, scale_rule, quantizer = inputs
+    ctx.rows = x.shape[0]
+    ctx.options = (group_name, quantized, scale_rule, quantizer)
+    ctx.save_for_backward(output_splits, input_splits)
+
+
+def _a2a_backward(ctx, grad):
+    output_splits, input_splits = ctx.saved_tensors
+    group_name, quantized, scale_rule, quantizer = ctx.options
+    # The adjoint exchange in the other wire format (prime-rl's and torchtitan's asymmetry): a
+    # dispatch sends its gradient back in full precision, a combine sends its gradient as MXFP8.
+    grad_x = _mxfp8_all_to_all(
+        grad.contiguous(), input_splits, output_splits, group_name, not quantized, scale_rule,
+        quantizer,
+    )
+    torch._check(grad_x.shape[0] == ctx.rows)
+    return grad_x, None, None, None, None, None, None
+
+
+_mxfp8_all_to_all.register_autograd(_a2a_backward, setup_context=_a2a_setup)
+
+
+def _front(op, x, output_splits, input_splits, group, options: dict) -> tuple[Tensor, Tensor]:
+    """Checks of an MXFP8 all-to-all front (checked mode: with the options in the fingerprint);
+    returns the splits as tensors."""
+    group = resolve_call(group, op)
     splits = []
 
     def convert():  # default mode: the op reads the sizes (a sync for device tensors) once
-        _check(x, scale_rule, quantizer)
+        _check_sendable(x, op)
+        _check(x, options["scale_rule"], options["quantizer"], op)
         splits[:] = (
             _as_splits("output_splits", output_splits),
             _as_splits("input_splits", input_splits),
@@ -276,16 +368,49 @@ def mxfp8_all_to_all_single(
     def describe():
         convert()
         recv, send = _all_to_all_sizes(x, *splits, group.size())
-        shared = {
-            "x.shape[1:]": tuple(x.shape[1:]),
-            "x.dtype": str(x.dtype),
-            "quantize_grad": bool(quantize_grad),
-            "scale_rule": scale_rule,
-            "quantizer": quantizer,
-        }
+        shared = {"x.shape[1:]": tuple(x.shape[1:]), **_where(x), **options}
         return Fingerprint(shared, tuple(send), tuple(recv))
 
     _run_checks(op, group, describe, convert)
-    return _mxfp8_all_to_all_single(
-        x, *splits, group.group_name, quantize_grad, scale_rule, quantizer
-    )
+    return group, *splits
+
+
+def mxfp8_all_to_all_dispatch(
+    x: Tensor,
+    output_splits: Tensor | Sequence[int],
+    input_splits: Tensor | Sequence[int],
+    group: dist.ProcessGroup | None = None,
+    *,
+    scale_rule: str = "rceil",
+    quantizer: str = "torch",
+) -> Tensor:
+    """prime-rl's ``mxfp8_all_to_all_dispatch``: token rows to their experts' ranks as MXFP8
+    (``prime_rl_collectives::mxfp8_all_to_all`` with ``quantized=True``), returned in
+    ``x.dtype``; the gradient comes back in full precision.
+
+    Example (2 ranks, each sends 1 row to rank 0 and 2 to rank 1)::
+
+        out = mxfp8_all_to_all_dispatch(torch.randn(3, 64), [1, 1], [1, 2])  # rank 0: [2, 64]
+    """
+    options = {"scale_rule": scale_rule, "quantizer": quantizer}
+    group, *splits = _front("mxfp8_all_to_all_dispatch", x, output_splits, input_splits, group,
+                            options)  # fmt: skip
+    return _mxfp8_all_to_all(x, *splits, group.group_name, True, scale_rule, quantizer)
+
+
+def mxfp8_all_to_all_combine(
+    x: Tensor,
+    output_splits: Tensor | Sequence[int],
+    input_splits: Tensor | Sequence[int],
+    group: dist.ProcessGroup | None = None,
+    *,
+    scale_rule: str = "rceil",
+    quantizer: str = "torch",
+) -> Tensor:
+    """prime-rl's ``mxfp8_all_to_all_combine``: expert outputs back in full precision
+    (``quantized=False``); their gradient travels as MXFP8. ``x [N, ..., H]`` must be
+    quantisable (``H`` a multiple of 32) since the backward quantises it."""
+    options = {"scale_rule": scale_rule, "quantizer": quantizer}
+    group, *splits = _front("mxfp8_all_to_all_combine", x, output_splits, input_splits, group,
+                            options)  # fmt: skip
+    return _mxfp8_all_to_all(x, *splits, group.group_name, False, scale_rule, quantizer)

@@ -17,7 +17,7 @@ from dist_utils import run_distributed
 
 from prime_ops import collectives as C
 from prime_ops.groups import CHECK_ENV, set_checked
-from prime_ops.mxfp8 import mxfp8_all_to_all_single
+from prime_ops.mxfp8 import mxfp8_all_to_all_dispatch, mxfp8_all_to_all_single
 
 OPS = torch.ops.prime_rl_collectives
 EVERY = "Every rank raises this error"
@@ -60,6 +60,13 @@ def _checked_cases(rank):
          "dim must be the same on every rank; got rank 0: 0, rank 1: 1"),
         (lambda: mxfp8_all_to_all_single(x.new_ones(4, 32), [2, 2], [2, 2],
          scale_rule="floor" if one else "rceil"), "scale_rule must be the same on every rank"),
+        (lambda: mxfp8_all_to_all_dispatch(x.new_ones(4, 32), [2, 2], [2, 2],
+         quantizer="torchao" if one else "torch"), "rank 1 .*quantizer='torchao' casts bf16 CUDA"),
+        (lambda: C.all_to_all_single_async(x, [2, 2], [2, 2] if rank == 0 else [1, 3]),
+         r"rank 1 sends 1 rows to rank 0 .* but rank 0 expects 2"),
+        # one rank's sparse tensor: the fingerprints carry the layout, the check reaches all
+        (lambda: C.all_to_all_single_equal(x.to_sparse() if one else x),
+         "rank 1 .*layout torch.sparse_coo"),
     ]  # fmt: skip
     for call, message in cases:
         _raises(ValueError, f"{message}.*{EVERY}", call)
@@ -107,9 +114,17 @@ def _default_cases(rank, name):
         (TypeError, lambda: C.all_to_all_single(None, [0, 0], [0, 0]), "x must be a torch"),
         (TypeError, lambda: mxfp8_all_to_all_single(None, [0, 0], [0, 0]), "x must be a torch"),
         (ValueError, lambda: mxfp8_all_to_all_single(torch.ones(2, 33), [1, 1], [1, 1]), "32"),
+        (ValueError, lambda: mxfp8_all_to_all_dispatch(torch.ones(2, 16), [1, 1], [1, 1]), "32"),
+        (ValueError, lambda: C.all_gather(torch.ones(2, device="meta")), "meta device"),
+        (ValueError, lambda: C.reduce_scatter_sum(torch.ones(2, 2).to_sparse()),
+         "layout torch.sparse_coo; .* pass x.to_dense"),
+        (TypeError, lambda: C.all_to_all_single_async(x, [2, 2], "22"), "input_splits must be"),
         # the raw ops: the same checks, inside the op
-        (ValueError, lambda: OPS.all_gather(x, 5, name), r"dim=5 is out of range"),
-        (ValueError, lambda: OPS.reduce_scatter_sum(torch.ones(3), 0, name), "not divisible"),
+        (ValueError, lambda: OPS.all_gather(x, 5, 2, name), r"dim=5 is out of range"),
+        (ValueError, lambda: OPS.all_gather(x, 0, 4, name),
+         r"group_size=4 but the group .* has 2 ranks; pass group.size\(\)"),
+        (ValueError, lambda: OPS.reduce_scatter_sum(torch.ones(3), 0, 2, name), "not divisible"),
+        (ValueError, lambda: OPS.reduce_scatter_sum(x, 0, 1, name), "group_size=1"),
         (ValueError, lambda: OPS.all_to_all_single_equal(torch.ones(3), name), "not divisible"),
         (ValueError, lambda: OPS.all_to_all_single(x, torch.tensor([2, 2]),
          torch.tensor([3, 3]), name), r"input_splits \[3, 3\] sum to 6"),
@@ -117,6 +132,12 @@ def _default_cases(rank, name):
          torch.tensor([5, -1]), name), "negative"),
         (ValueError, lambda: OPS.mxfp8_all_to_all_single(torch.ones(2, 32), torch.tensor([1, 1]),
          torch.tensor([1, 1]), name, False, "round", "torch"), "scale_rule must be one of"),
+        (ValueError, lambda: OPS.mxfp8_all_to_all(torch.ones(2, 48), torch.tensor([1, 1]),
+         torch.tensor([1, 1]), name, False), "multiple of 32"),
+        (ValueError, lambda: OPS.mxfp8_all_to_all(torch.ones(2, 32, dtype=torch.int32),
+         torch.tensor([1, 1]), torch.tensor([1, 1]), name, True), "x must be one of"),
+        (ValueError, lambda: OPS.all_to_all_single_async(x, torch.tensor([2, 2]),
+         torch.tensor([3, 3]), name), r"input_splits \[3, 3\] sum to 6"),
     ]  # fmt: skip
     for kind, call, message in cases:
         _raises(kind, f"{message}.*{WAITING}", call)
@@ -124,16 +145,63 @@ def _default_cases(rank, name):
     return len(cases)
 
 
+def _sync_cases(rank):
+    """sync_all_to_all's own argument errors (local: it never communicates)."""
+    x = torch.ones(4, 3)
+    _, handle = C.all_to_all_single_async(x, [2, 2], [2, 2])
+    C.sync_all_to_all(handle)
+    C.sync_all_to_all(handle)  # a handle already waited for: nothing left to wait for
+    cases = [
+        (ValueError, lambda: C.sync_all_to_all(torch.tensor([10**6])), "was never issued"),
+        (ValueError, lambda: C.sync_all_to_all(torch.tensor([1, 2])), "one element"),
+        (TypeError, lambda: C.sync_all_to_all("1"), "handle must be the tensor"),
+    ]
+    for kind, call, message in cases:
+        _raises(kind, message, call)
+    _in_step(rank)
+    return len(cases)
+
+
 def _body(rank, world):
     name = dist.group.WORLD.group_name
-    counts = {"default": _default_cases(rank, name)}
+    counts = {"default": _default_cases(rank, name), "sync": _sync_cases(rank)}
     set_checked(True)
     counts["checked"] = _checked_cases(rank)
     counts["mode"] = _mode_cases(rank)
     set_checked(False)
     _in_step(rank)
-    assert counts == {"default": 16, "checked": 10, "mode": 3}
+    assert counts == {"default": 25, "sync": 3, "checked": 13, "mode": 3}
 
 
 def test_bad_collective_calls_raise_on_every_rank():
     run_distributed(_body, 2, timeout=60)
+
+
+# Issue 31: in checked mode, rank 0 calls all_gather(ones(4, 2), 0) while rank 1 makes a mistake
+# only it can see. Before, rank 0 waited out the group timeout. Each run gets a 10 s group
+# timeout (a regression fails in seconds, not minutes), and both ranks must raise.
+
+
+def _rank1_mistake(rank, world, case):
+    set_checked(True)
+    x = torch.ones(4, 2)
+    mistakes = {
+        "group": (lambda: C.all_gather(x, 0, group="WORLD"),
+                  "rank 1 of the group rejected its call: ValueError: all_gather: group must be "
+                  "a torch.distributed.ProcessGroup"),
+        "meta": (lambda: C.all_gather(torch.ones(4, 2, device="meta"), 0),
+                 "rank 1 .*x is on the meta device, which holds no data"),
+        "sparse": (lambda: C.all_gather(x.to_sparse(), 0),
+                   "rank 1 .*x has layout torch.sparse_coo"),
+        "op": (lambda: C.reduce_scatter_sum(x, 0),
+               "op must be the same on every rank; got rank 0: all_gather, rank 1: "
+               "reduce_scatter_sum"),
+    }  # fmt: skip
+    call, message = mistakes[case]
+    _raises(ValueError, f"{message}.*{EVERY}", call if rank == 1 else lambda: C.all_gather(x, 0))
+    _in_step(rank)
+
+
+@pytest.mark.parametrize("case", ["group", "meta", "sparse", "op"])
+def test_checked_mode_one_ranks_mistake_never_hangs(case):
+    run_distributed(_rank1_mistake, 2, case, timeout=20)

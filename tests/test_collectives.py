@@ -176,7 +176,14 @@ def _contract_body(rank, world):
         (lambda: C.all_gather(x, dim=2), r"dim=2 is out of range .* \[-2, 1\]"),
         (lambda: C.reduce_scatter_sum(x, dim=-3), "dim=-3 is out of range"),
         (lambda: C.reduce_scatter_sum(torch.ones(3, 3), dim=1), r"x.shape\[1\]=3 is not divisible"),
-        (lambda: OPS.all_gather(x, 0, "no-such-group"), "group_name='no-such-group' names no live"),
+        (
+            lambda: OPS.all_gather(x, 0, 2, "no-such-group"),
+            "group_name='no-such-group' names no live",
+        ),
+        (
+            lambda: OPS.all_gather(x, 0, 3, dist.group.WORLD.group_name),
+            r"group_size=3 but the group .* has 2 ranks",
+        ),
     ]
     for call, message in bad_calls:
         with pytest.raises(ValueError, match=message):
@@ -222,8 +229,8 @@ def _contract_body(rank, world):
     cases = [
         (OPS.all_to_all_single, (torch.randn(int(send.sum()), 3), recv, send, name)),
         (OPS.all_to_all_single_equal, (torch.randn(4, 3), name)),
-        (OPS.all_gather, (torch.randn(2, 3), 1, name)),
-        (OPS.reduce_scatter_sum, (torch.randn(3, 4), -1, name)),
+        (OPS.all_gather, (torch.randn(2, 3), 1, world, name)),
+        (OPS.reduce_scatter_sum, (torch.randn(3, 4), -1, world, name)),
     ]
     for op, args in cases:
         args = (args[0].requires_grad_(), *args[1:])
@@ -382,9 +389,10 @@ def test_schemas_are_the_public_contract():
     assert str(OPS.all_to_all_single_equal.default._schema).endswith(
         "(Tensor x, str group_name) -> Tensor"
     )
-    for name in ("all_gather", "reduce_scatter_sum"):
+    for name in ("all_gather", "reduce_scatter_sum"):  # prime-rl's, see tests/compat
         schema = str(getattr(OPS, name).default._schema)
-        assert schema.endswith("(Tensor x, int dim, str group_name) -> Tensor")
+        want = "(Tensor x, SymInt dim, SymInt group_size, str group_name) -> Tensor"
+        assert schema.endswith(want)
 
 
 @pytest.mark.skipif(dist.is_initialized(), reason="needs an uninitialized default group")
