@@ -489,6 +489,52 @@ def test_opcheck(name):
     opcheck(getattr(torch.ops.prime_rl, name), _opcheck_cases()[name])
 
 
+class _OpNames(TorchDispatchMode):
+    """The name of every operator dispatched inside it (forward and autograd's backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+def _benchmark(name: str):
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_rows_time_pytorch_chains_against_the_native_ops():
+    """benchmarks/native_ops.py compares like with like: each row's PyTorch side dispatches no
+    prime_rl op (before, the quantize rows' 'chain' was fp8.quantize_blockwise, which runs the
+    native kernel whenever it is built: native against itself), its native side dispatches the
+    op it names, and both sides compute the same layouts and codes."""
+    bench = _benchmark("native_ops")
+    rows = bench.rows(bench.inputs(tokens=32, dim=256, top_k=2, experts=4, heads=2), experts=4)
+    assert len(rows) == 9
+    for name, row in rows.items():
+        with _OpNames() as pytorch:
+            pytorch_out = row.pytorch()
+        with _OpNames() as fused:
+            native_out = row.native()
+        assert not [n for n in pytorch.names if n.startswith("prime_rl")], name
+        assert row.native_side.split()[0] in fused.names, name
+        if name.startswith(("quantize", "moe_permute (")):
+            pair = (pytorch_out[0], native_out[0])
+            if pair[0].dtype == torch.float8_e4m3fn:  # compare the codes
+                pair = tuple(t.view(torch.uint8) for t in pair)
+            assert torch.equal(*pair), name
+        if name.startswith("quantize"):
+            assert torch.equal(pytorch_out[1], native_out[1]), name
+
+
 def test_each_op_is_one_operator(gen):
     """What a prime_ac policy sees: one prime_rl operator per call, not a chain of aten ops."""
 
