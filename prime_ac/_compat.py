@@ -222,6 +222,11 @@ def schema_is_mutable(op: Any) -> bool:
     return isinstance(op, OpOverload) and op._schema.is_mutable
 
 
+def returns_nothing(op: Any) -> bool:
+    """True when ``op``'s schema returns nothing (``-> ()``, an out= custom op's)."""
+    return isinstance(op, OpOverload) and not op._schema.returns
+
+
 # The dispatcher's operator table and kernel lookup (torch._C, every release 2.9-2.14), for the
 # target reports. Public replacement: none.
 def dispatch_op_names() -> set[str]:

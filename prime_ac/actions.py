@@ -40,6 +40,8 @@ class Action(enum.IntEnum):
     SCOPED = 5  # kept where the call's module scope or tag says so (prime_ac.scopes)
     PLANNED = 6  # kept at the call indices a budget plan chose (prime_ac.budget)
     ASK = 7  # a policy callable decides per call
+    KEEP_WRITTEN = 8  # a target that returns nothing and writes its arguments (QuACK's out= GEMMs):
+    # kept are the tensors it wrote; the recompute copies them into its own arguments
 
     def label(self, kept: bool) -> str:
         """How reports (audit, budget plans) name a call of this action: ``"mandatory"``,

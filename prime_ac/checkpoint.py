@@ -10,15 +10,18 @@ class and settings.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import logging
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from prime_ac import tables
 from prime_ac.blocks import (
     BlockCheckpoint,
     BlockSelector,
@@ -34,7 +37,7 @@ from prime_ac.config import ACConfig
 from prime_ac.contexts import block_context_fn
 from prime_ac.policy import make_policy
 from prime_ac.scopes import scope_problems, split_targets, untrack
-from prime_ac.targets import TargetSet, translate_composites
+from prime_ac.targets import TargetSet, registered_operators, translate_composites
 from prime_ac.watch import Watch
 
 __all__ = ["checkpoint_blocks"]
@@ -50,13 +53,14 @@ def checkpoint_blocks(
     targets: Iterable[str] | str | None = None,
     blocks: BlockSelector = None,
     mandatory: Iterable[str] = (),
-    preserve_rng_state: bool = True,
+    preserve_rng_state: bool | None = None,
     strict: bool = False,
     config: ACConfig | None = None,
     budget: int | float | Mapping[str, int] | None = None,
     profile: Callable[[nn.Module], torch.Tensor] | None = None,
     early_stop: bool | None = None,
     determinism_check: str | None = None,
+    skip_worse: bool = True,
 ) -> list[str]:
     """Wrap each selected block of ``model`` in its own non-reentrant checkpoint region.
 
@@ -81,6 +85,10 @@ def checkpoint_blocks(
     ``torch.utils.checkpoint.checkpoint`` call (None: torch's defaults, ``True`` and
     ``"default"``; or set them in ``config``).
 
+    ``skip_worse`` (default True): a block whose first step keeps at least what no AC holds for
+    it (and at least ``prime_ac.watch.REPORTED_BYTES``) runs without checkpointing from then on,
+    logged once naming the block and the bytes; False keeps checkpointing it, with a warning.
+
     Blocks already checkpointed by ``torch.distributed``'s ``CheckpointWrapper`` are refused;
     a Hugging Face model with its own gradient checkpointing on gets a warning.
 
@@ -102,26 +110,34 @@ def checkpoint_blocks(
         budget=budget,
         early_stop=early_stop,
         determinism_check=determinism_check,
+        preserve_rng_state=preserve_rng_state,
     )
     auto = config.targets == "auto"
     _check_profile(profile, auto)
+    if not isinstance(skip_worse, bool):
+        raise TypeError(
+            f"skip_worse={skip_worse!r} must be True (run a block that holds at least what no AC "
+            "holds without checkpointing) or False (keep checkpointing it, with a warning)"
+        )
     # auto profiles with nothing but the mandatory set kept, then plans on top of full mode
     policy = make_policy(
-        "full" if auto else config.mode, None if auto else config.targets, mandatory
+        "full" if auto else config.mode,
+        config.targets if config.mode == "selective" and not auto else None,
+        mandatory,
     )
-    named = config.targets if config.mode == "selective" and not auto else None
+    # the targets a user named, reported when they cannot match; those an adapter supplied
+    # (a trainer's list, its translations and device variants: prime_ac.tables) are not
+    named = tables.user_named(config.targets or ()) if config.keeps_targets and not auto else []
     _report(
-        TargetSet(split_targets(translate_composites(named or ()))[0]).problems()
+        TargetSet(split_targets(translate_composites(named))[0]).problems()
         + TargetSet(mandatory).problems(mandatory=True),
         strict,
+        configuration=(repr(config), tuple(mandatory)),
     )
 
-    selected = [
-        (name, block)
-        for group in find_blocks(model, blocks)
-        for index, (name, block) in enumerate(group)
-        if index % config.freq == 0
-    ]
+    selected, modes = _select(find_blocks(model, blocks), config)
+    policies = _layer_policies(config, modes, mandatory, policy)
+    policy = policies.get("selective", policy)  # the one with the named targets and scopes
     _check_not_nested(selected, "blocks=" if blocks is not None else "discovery")
     _check_no_checkpoint_wrapper(model, selected)
     _warn_on_own_checkpointing(model)
@@ -134,21 +150,24 @@ def checkpoint_blocks(
     # what the first step did, said once: named targets that matched nothing, blocks holding
     # at least what no AC holds for them (prime_ac.watch)
     watch = Watch(
-        [str(t) for t in policy.targets] if named is not None else [],
+        split_targets(translate_composites(named))[0],
         [name for name, _ in selected],
         strict,
     )
+    if skip_worse:
+        watch.bypass = _bypass(watch, selected)
     with changes_undone_on_error(model):
         for name, block in selected:
             wrap_block(
                 block,
                 BlockCheckpoint(
                     name=name,
-                    policy=policy,
-                    context_fn=block_context_fn(policy, name, watch),
-                    preserve_rng_state=preserve_rng_state,
+                    policy=policies[modes[name]],
+                    context_fn=block_context_fn(policies[modes[name]], name, watch),
+                    preserve_rng_state=config.preserve_rng_state,
                     early_stop=config.early_stop,
                     determinism_check=config.determinism_check,
+                    watch=watch,
                 ),
             )
         # blocks leaving: switched off first (reversible), unwrapped once nothing can fail
@@ -172,6 +191,21 @@ def checkpoint_blocks(
     return [name for name, _ in selected]
 
 
+def _bypass(watch: Watch, selected: list[tuple[str, nn.Module]]) -> Callable[[str, str], None]:
+    """What the watch calls for a block better off without checkpointing: the block, while it
+    still has this configuration, runs its own forward from then on (``BlockCheckpoint.bypassed``
+    says why)."""
+    refs = {name: weakref.ref(block) for name, block in selected}
+
+    def bypass(name: str, why: str) -> None:
+        block = refs[name]()
+        state = checkpoint_state(block) if block is not None else None
+        if state is not None and state.watch is watch:
+            wrap_block(block, dataclasses.replace(state, bypassed=why))
+
+    return bypass
+
+
 def _install_scope_hooks(model: nn.Module, policy: Any) -> None:
     """Scope hooks on the wrapped blocks only when the policy has scoped targets, so a model
     without any pays nothing; hooks of an earlier configuration go."""
@@ -182,9 +216,69 @@ def _install_scope_hooks(model: nn.Module, policy: Any) -> None:
         scoped.tracker.track(block)
 
 
+def _select(
+    groups: list[list[tuple[str, nn.Module]]], config: ACConfig
+) -> tuple[list[tuple[str, nn.Module]], dict[str, str]]:
+    """The blocks to wrap and each one's mode: every ``freq``-th block in its group, or, with
+    ``layer_modes``, each block whose entry (found by its index, the last part of its name, as
+    prime-rl's pipeline stages keep the full model's indices) is not ``"none"``."""
+    if config.layer_modes is None:
+        chosen = [
+            (name, block)
+            for group in groups
+            for index, (name, block) in enumerate(group)
+            if index % config.freq == 0
+        ]
+        return chosen, {name: config.mode for name, _ in chosen}
+    if len(groups) != 1:
+        raise ValueError(
+            f"layer_modes gives the layers of one stack a mode each, but the blocks form "
+            f"{len(groups)} stacks ({', '.join(g[0][0] for g in groups if g)}, ...): pass "
+            "blocks= naming one stack, or use mode= and freq="
+        )
+    chosen, modes = [], {}
+    for name, block in groups[0]:
+        index = name.rsplit(".", 1)[-1]
+        if not index.isdigit() or int(index) >= len(config.layer_modes):
+            raise ValueError(
+                f"layer_modes has {len(config.layer_modes)} entries, one per decoder layer of "
+                f"the full model by index, and block {name!r} "
+                + ("has no index" if not index.isdigit() else f"is layer {index}")
+                + ": give one entry per layer (blocks named by their index, as model.layers.N)"
+            )
+        mode = config.layer_modes[int(index)]
+        if not isinstance(mode, str):
+            raise ValueError(
+                f"layer_modes[{index}]={list(mode)!r} gives layer {index} a mode per half "
+                "(attention, moe), which prime-rl applies where a pipeline stage boundary cuts "
+                f"the layer; {name!r} is one whole block here: give it one mode"
+            )
+        if mode != "none":
+            chosen.append((name, block))
+            modes[name] = mode
+    return chosen, modes
+
+
+def _layer_policies(
+    config: ACConfig, modes: dict[str, str], mandatory: Iterable[str], policy: Any
+) -> dict[str, Any]:
+    """One policy per mode the blocks use (``policy`` for ``config.mode`` itself)."""
+    policies = {config.mode: policy}
+    for mode in sorted(set(modes.values()) - set(policies)):
+        targets = config.targets if mode == "selective" else None
+        policies[mode] = make_policy(mode, targets, mandatory)
+    return policies
+
+
 def _settings(config: Any, **explicit: Any) -> ACConfig:
     if config is None:
-        defaults = {"mode": "full", "freq": 1, "early_stop": True, "determinism_check": "default"}
+        defaults = {
+            "mode": "full",
+            "freq": 1,
+            "early_stop": True,
+            "determinism_check": "default",
+            "preserve_rng_state": True,
+        }
         return ACConfig(
             **{k: defaults[k] if v is None and k in defaults else v for k, v in explicit.items()}
         )
@@ -328,12 +422,50 @@ def _check_budget_names(budget: Mapping[str, int], names: list[str]) -> None:
         raise ValueError(f"budget= has no entry for checkpointed block(s) {missing}")
 
 
-def _report(problems: list[tuple[str, str]], strict: bool) -> None:
-    """Log, on every call, or raise (``strict=True``) for targets the policy can never keep."""
+# Namespaces torch fills when it loads: a name there that names no operator never will.
+_TORCH_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional"})
+# (configuration, problems) already logged
+_REPORTED: set[tuple[Any, tuple[tuple[str, str], ...]]] = set()
+
+
+def _report(problems: list[tuple[str, str]], strict: bool, configuration: Any = None) -> None:
+    """Raise for names in torch's own namespaces that name no operator (``aten::mmm``: a typo,
+    never a late backend); log the other problems once per configuration (the same list logs
+    once per process), or raise for them too with ``strict=True``."""
+    typos = [
+        (target, reason)
+        for target, reason in problems
+        if reason.startswith("names no registered")
+        and target.split("::")[0].split("/")[-1] in _TORCH_NAMESPACES
+    ]
+    if typos:
+        raise ValueError(
+            "targets naming no operator in a namespace torch loads with itself, so they never "
+            "will: "
+            + "; ".join(f"{target!r} {reason}{_close(target, reason)}" for target, reason in typos)
+            + ". Fix the name (ns::op or ns::op.overload)."
+        )
     if strict and problems:
         raise ValueError(
             "targets that no dispatch mode can see (strict=True): "
             + "; ".join(f"{target!r} {reason}" for target, reason in problems)
         )
+    key = (configuration, tuple(problems))
+    if not problems or key in _REPORTED:
+        return
+    _REPORTED.add(key)
     for target, reason in problems:
         logger.warning("prime_ac target %r %s; it matches nothing for now", target, reason)
+
+
+def _close(target: str, reason: str) -> str:
+    """`` (did you mean ...?)`` naming registered operators close to ``target``'s (a wrong
+    overload's reason lists the known overloads already)."""
+    if "overload" in reason:
+        return ""
+    namespace, _, rest = target.split("/")[-1].partition("::")
+    op = rest.split(".")[0]
+    prefix = f"{namespace}::"
+    names = {n[len(prefix) :].split(".")[0] for n in registered_operators() if n.startswith(prefix)}
+    close = difflib.get_close_matches(op, sorted(names), n=3, cutoff=0.75)
+    return f" (did you mean {', '.join(f'{namespace}::{c}' for c in close)}?)" if close else ""

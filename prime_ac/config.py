@@ -2,29 +2,46 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from prime_ac import tables
+from prime_ac.policy import MODES
 from prime_ac.scopes import parse_target
 
 __all__ = ["ACConfig", "check_budget", "check_checkpoint_options"]
 
-_MODES = ("full", "selective")
+logger = logging.getLogger("prime_ac")
+
 _DETERMINISM_CHECKS = ("default", "none")
+_LAYER_MODES = (*MODES, "none")
+# Keys of older prime-rl releases that checkpointed parts of a layer, not whole blocks by operator
+# (src/prime_rl/trainer/models/layers/checkpointing.py and the scope flags beside it).
+_PART_TARGETS = ("norm", "attn_proj", "mlp", "mla_up_proj", "routed_experts", "linear_attn")
+_PART_FLAGS = ("attention", "attn_norm", "feed_forward", "ffn_norm", "moe", "shared_expert")
 
 
 @dataclass(frozen=True)
 class ACConfig:
     """Activation-checkpointing settings as a trainer's config file states them.
 
-    ``mode`` is ``"full"`` (keep only the mandatory operators) or ``"selective"`` (also keep
-    ``targets``); ``freq=k`` checkpoints every k-th block; ``targets=None`` means the defaults;
+    ``mode`` is one of prime-rl's modes (:data:`prime_ac.MODES`): ``"full"`` keeps only the
+    mandatory operators, ``"full_moe"`` also replays the FP8 Mega MoE, ``"projections"``,
+    ``"attention"`` and ``"matmul"`` keep fixed sets, ``"selective"`` keeps ``targets``.
+    ``freq=k`` checkpoints every k-th block; ``targets=None`` means the defaults;
     ``targets="auto"`` with ``budget`` (bytes per block, a fraction of the no-AC activation
     memory, or ``{block name: bytes}``) lets prime_ac choose from a profiled step.
     ``early_stop`` and ``determinism_check`` go to each region's
-    ``torch.utils.checkpoint.checkpoint`` call (torch's defaults).
+    ``torch.utils.checkpoint.checkpoint`` call (torch's defaults), and so does
+    ``preserve_rng_state``.
+
+    ``layer_modes`` gives each decoder layer its own mode (or ``"none"``: not checkpointed), one
+    entry per layer of the full model, found by the block's index (``model.layers.7`` is entry
+    7, also on a pipeline stage that holds layers 6-11); it replaces ``mode`` and ``freq``, as in
+    prime-rl. ``targets`` then apply to the ``"selective"`` layers.
 
     Example (TOML)::
 
@@ -40,17 +57,25 @@ class ACConfig:
     budget: int | float | Mapping[str, int] | None = None
     early_stop: bool = True
     determinism_check: str = "default"
+    layer_modes: tuple[str | tuple[str, str], ...] | None = None
+    preserve_rng_state: bool = True
 
     def __post_init__(self) -> None:
         check_checkpoint_options(self.early_stop, self.determinism_check)
-        if self.mode not in _MODES:
+        if self.mode not in MODES:
             raise ValueError(
-                f"mode={self.mode!r} is not a checkpoint mode: use one of {list(_MODES)}"
+                f"mode={self.mode!r} is not a checkpoint mode: use one of {list(MODES)}"
             )
         if isinstance(self.freq, bool) or not isinstance(self.freq, int) or self.freq < 1:
             raise ValueError(
                 f"freq={self.freq!r} must be an integer >= 1 (1 checkpoints every block)"
             )
+        if not isinstance(self.preserve_rng_state, bool):
+            raise ValueError(
+                f"preserve_rng_state={self.preserve_rng_state!r} must be True (replay dropout "
+                "with the forward's random numbers, torch's default) or False"
+            )
+        self._check_layer_modes()
         if self.targets == "auto":
             if self.mode != "selective":
                 raise ValueError(
@@ -72,20 +97,71 @@ class ACConfig:
                 )
             for target in self.targets:
                 parse_target(target)
-            if self.mode == "full":
+            if not self.keeps_targets:
                 raise ValueError(
-                    f"targets={list(self.targets)!r} has no effect with mode='full', which keeps "
-                    "only the mandatory operators: set mode='selective' to keep the targets"
+                    f"targets={list(self.targets)!r} has no effect with mode={self.mode!r}, "
+                    "which keeps "
+                    + (
+                        "only the mandatory operators"
+                        if self.mode in ("full", "full_moe")
+                        else "a fixed set (prime_ac.targets.LEVEL_TARGETS)"
+                    )
+                    + ": set mode='selective' (or a 'selective' entry in layer_modes) to keep "
+                    "the targets"
                 )
             object.__setattr__(self, "targets", tuple(self.targets))
+
+    @property
+    def keeps_targets(self) -> bool:
+        """Whether some checkpointed layer runs ``mode="selective"`` (the one that reads
+        ``targets``)."""
+        return _keeps_targets(self.mode, self.layer_modes)
+
+    def _check_layer_modes(self) -> None:
+        if self.layer_modes is None:
+            return
+        if isinstance(self.layer_modes, (str, Mapping)) or not isinstance(
+            self.layer_modes, (list, tuple)
+        ):
+            raise ValueError(
+                f"layer_modes={self.layer_modes!r} must be a list with one mode per decoder "
+                f"layer of the full model, each one of {list(_LAYER_MODES)}"
+            )
+        entries = []
+        for index, mode in enumerate(self.layer_modes):
+            pair = isinstance(mode, (list, tuple)) and len(mode) == 2
+            if not all(m in _LAYER_MODES for m in (mode if pair else (mode,))):
+                raise ValueError(
+                    f"layer_modes[{index}]={mode!r} is not a mode: use one of "
+                    f"{list(_LAYER_MODES)}, or a pair [attention half, moe half] for a layer a "
+                    "pipeline stage boundary cuts"
+                )
+            entries.append(tuple(mode) if pair else mode)
+        if self.freq != 1:
+            raise ValueError(
+                f"freq={self.freq!r} with layer_modes: layer_modes replaces mode and freq (as in "
+                "prime-rl); write 'none' for the layers to leave unchecked and drop freq"
+            )
+        if self.targets == "auto":
+            raise ValueError(
+                'targets="auto" plans what each block keeps; layer_modes sets a mode per layer: '
+                "use one of them"
+            )
+        object.__setattr__(self, "layer_modes", tuple(entries))
 
     @classmethod
     def from_dict(cls, table: Mapping[str, Any]) -> ACConfig:
         """Read the ``[trainer.model.ac]`` table; unknown keys raise ValueError naming them.
 
-        A torchtitan ``activation_checkpoint`` table (``selective_ac_option``,
-        ``memory_budget``, ``mode = "memory_budget"``, ...) is read by
-        :func:`prime_ac.integrations.torchtitan.config_from_table`.
+        prime-rl's table is prime_ac's own, read with prime-rl's meaning (its newest modes,
+        ``layer_modes``, ``preserve_rng_state``, and its older releases' tables): ``targets``
+        with a mode that keeps no targets are dropped, as prime-rl ignores them, with a log
+        line; keys of releases that checkpointed parts of a layer (``targets = ["norm"]``,
+        ``moe = true``) and ``recompute_engram = true`` raise, saying what to use instead.
+
+        Another trainer's table (torchtitan's ``activation_checkpoint``: ``memory_budget``,
+        ``debug``, ``mode = "memory_budget"``, ...) is read by the reader that claims it in
+        :mod:`prime_ac.tables`, with that trainer's meaning.
         """
         if not isinstance(table, Mapping):
             raise TypeError(
@@ -94,11 +170,13 @@ class ACConfig:
                 f"{type(table).__name__} {table!r:.80}; for a string, parse it first "
                 "(tomllib.loads) or pass ACConfig(mode=...)"
             )
-        # imported here: the integration sits on top of the package and imports this module
-        from prime_ac.integrations import torchtitan
-
-        if torchtitan.is_torchtitan_table(table):
-            return torchtitan.config_from_table(table)
+        # a key or mode prime_ac's table lacks: another trainer's table, if a reader claims it
+        own = {f.name for f in fields(cls)}
+        if set(table) - own or table.get("mode", "full") not in MODES:
+            read = tables.reader_for(table)
+            if read is not None:
+                return read(table)
+        table = _prime_rl_meaning(table)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(table) - known)
         if unknown:
@@ -142,3 +220,57 @@ def check_budget(budget: Any) -> None:
         )
     if isinstance(budget, float) and not (math.isfinite(budget) and budget <= 1):
         raise ValueError(f"budget={budget!r}: a fraction must lie in [0, 1]; bytes are an int")
+
+
+def _prime_rl_meaning(table: Mapping[str, Any]) -> dict[str, Any]:
+    """prime-rl's ``[trainer.model.ac]`` table as ACConfig's keys, with prime-rl's meaning."""
+    table = dict(table)
+    if table.pop("recompute_engram", False):
+        raise ValueError(
+            "recompute_engram=true is prime-rl's DeepSeek-V4.1 model code (its Engram layers "
+            "recompute their value/key projection), not an operator policy: keep it in prime-rl's "
+            "model setup and drop the key here"
+        )
+    parts = [key for key in _PART_FLAGS if key in table and table[key] is not False]
+    targets = table.get("targets")
+    named_parts = [t for t in targets or () if t in _PART_TARGETS] if isinstance(
+        targets, (list, tuple)
+    ) else []
+    if parts or named_parts:
+        named = [f"{key}={table[key]!r}" for key in parts] or [f"targets={named_parts!r}"]
+        raise ValueError(
+            f"{', '.join(named)}: an older prime-rl release's setting that checkpoints parts of "
+            "each layer (norms, projections, the MLP or MoE) instead of whole blocks by operator. "
+            "prime_ac checkpoints blocks: to checkpoint only a part, select it as the block, e.g. "
+            "checkpoint_blocks(model, blocks=lambda name, module: name.endswith('.mlp')), or "
+            "keep whole layers with mode='selective' and operator targets (docs/migration.md)"
+        )
+    for key in _PART_FLAGS:
+        table.pop(key, None)
+    layer_modes = table.get("layer_modes")
+    if isinstance(layer_modes, list):
+        table["layer_modes"] = tuple(tuple(m) if isinstance(m, list) else m for m in layer_modes)
+    mode = table.get("mode", "full")
+    keeps = _keeps_targets(mode, table.get("layer_modes"))
+    unused = isinstance(targets, (list, tuple)) and not keeps
+    if unused:
+        for target in targets:
+            parse_target(target)  # a typo is an error even where the list is unused
+        logger.info(
+            "prime_ac: [trainer.model.ac] targets=%r are unused with mode=%r (prime-rl ignores "
+            "them too); they apply to 'selective' layers",
+            targets,
+            mode,
+        )
+        table.pop("targets")
+    return table
+
+
+def _keeps_targets(mode: Any, layer_modes: Any) -> bool:
+    """Whether ``mode``, or an entry of ``layer_modes`` when given, is ``"selective"``."""
+    if not isinstance(layer_modes, (list, tuple)):
+        return mode == "selective"
+    return any(
+        m == "selective" or (isinstance(m, (list, tuple)) and "selective" in m) for m in layer_modes
+    )
+

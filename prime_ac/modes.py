@@ -11,7 +11,9 @@ one dictionary lookup for the operators they replay):
   (:class:`Rules`). Replayed operators are neither counted nor stored: the recompute derives
   the same action and just runs them.
 - Operators that write an argument copy the kept results they would overwrite first (copy on
-  write, :mod:`prime_ac.store`); nothing is copied while nothing is kept.
+  write, :mod:`prime_ac.store`); nothing is copied while nothing is kept. A kept target that
+  returns nothing (an out= GEMM) keeps the tensors it wrote, and its recompute call copies
+  them into its own arguments instead of computing them.
 - A region that kept nothing recomputes with no mode at all, exactly as plain checkpointing.
 - Higher-order operators (flex_attention, invoke_subgraph, ...) reach the modes through the
   redirect torch registers for its own SAC modes (:func:`prime_ac._compat.redirect_hops`).
@@ -32,7 +34,7 @@ from prime_ac.store import RegionStore, input_shapes
 
 __all__ = ["KeepMode", "ReplayMode", "Rules"]
 
-_IGNORE, _REPLAY = Action.IGNORE, Action.REPLAY
+_IGNORE, _REPLAY, _KEEP_WRITTEN = Action.IGNORE, Action.REPLAY, Action.KEEP_WRITTEN
 _INDUCTOR_COMPILED_CODE = _compat.INDUCTOR_COMPILED_CODE
 _PER_CALL = frozenset({Action.PLANNED, Action.SCOPED, Action.ASK})
 _set_eval_frame = _compat.set_eval_frame
@@ -119,6 +121,10 @@ class KeepMode(_RegionMode):
             calls[key] = index + 1
             if action in _PER_CALL and not self._keeps_call(action, func, index, args, kwargs, out):
                 return out
+            if action is _KEEP_WRITTEN:  # it returns nothing: what it wrote is its result
+                kept = tuple(_written_tensors(self.rules.writes[func], args, kwargs))
+                store.keep(key, index, kept, input_shapes(args, kwargs))
+                return out
             store.keep(key, index, out, input_shapes(args, kwargs))
             return out
         finally:
@@ -160,7 +166,14 @@ class ReplayMode(_RegionMode):
                 return func(*args, **kwargs)
             key = func if func is not _INDUCTOR_COMPILED_CODE else _compat.storage_key(func, args)
             out = self.store.take(key, args, kwargs)
-            return func(*args, **kwargs) if out is NotImplemented else out
+            if out is NotImplemented:
+                return func(*args, **kwargs)
+            if action is _KEEP_WRITTEN:  # write what the forward wrote instead of computing it
+                written = _written_tensors(self.rules.writes[func], args, kwargs)
+                for tensor, value in zip(written, out, strict=True):
+                    tensor.copy_(value)
+                return None
+            return out
         finally:
             _set_eval_frame(prior)
 

@@ -12,13 +12,15 @@ from typing import Any, Literal
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from prime_ac._compat import schema_is_mutable
+from prime_ac._compat import returns_nothing, schema_is_mutable
 from prime_ac.actions import Action
 from prime_ac.scopes import ScopeRules, split_targets
 from prime_ac.targets import (
     DEFAULT_TARGETS,
     HOST_SYNC_TARGETS,
+    LEVEL_TARGETS,
     MANDATORY_TARGETS,
+    REPLAYED_BY_MODE,
     TargetSet,
     operator_key,
     translate_composites,
@@ -26,8 +28,13 @@ from prime_ac.targets import (
 
 __all__ = ["MODES", "OperatorPolicy", "make_policy", "reads_device_into_host", "target_list"]
 
-Mode = Literal["full", "selective"]
-MODES: tuple[str, ...] = ("full", "selective")
+Mode = Literal["full", "full_moe", "projections", "attention", "matmul", "selective"]
+MODES: tuple[str, ...] = ("full", "full_moe", "projections", "attention", "matmul", "selective")
+"""prime-rl's modes, from keeping least to most: ``full`` keeps only the mandatory operators;
+``full_moe`` also replays the FP8 Mega MoE (:data:`prime_ac.targets.REPLAYED_BY_MODE`);
+``projections``, ``attention`` and ``matmul`` keep fixed sets
+(:data:`prime_ac.targets.LEVEL_TARGETS`); ``selective`` keeps ``targets``."""
+_KEEPS_NOTHING = ("full", "full_moe")
 
 _SAVE = CheckpointPolicy.MUST_SAVE
 _RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
@@ -40,8 +47,10 @@ class OperatorPolicy:
 
     The decision for an operator overload is computed once and cached, so the policy costs a
     dictionary lookup per op in eager mode. Mandatory operators are MUST_SAVE in every mode;
-    targets are MUST_SAVE in selective mode unless their schema mutates an argument (a cached
-    result would skip the write on recompute); everything else is PREFER_RECOMPUTE.
+    targets are MUST_SAVE in the modes that keep targets unless their schema mutates an argument
+    (a cached result would skip the write on recompute); everything else is PREFER_RECOMPUTE. A
+    target that returns nothing and writes its arguments (an out= GEMM) is KEEP_WRITTEN: prime_ac's
+    eager regions keep what it wrote; torch's SAC (compiled regions) recomputes it.
     """
 
     def __init__(
@@ -71,11 +80,18 @@ class OperatorPolicy:
         if self.mandatory.matches(key):
             return Action.MANDATORY
         mutates = schema_is_mutable(op)
-        if self.mode == "selective" and not mutates:
+        if self.mode not in _KEEPS_NOTHING and not mutates:
             if self.scoped is not None and self.scoped.involves(key):
                 return Action.SCOPED
             if self.targets.matches(key):
                 return Action.KEEP
+        if (
+            mutates
+            and self.mode not in _KEEPS_NOTHING
+            and returns_nothing(op)
+            and self.targets.matches(key)
+        ):
+            return Action.KEEP_WRITTEN
         if key[:2] in _HOST_SYNC_OPS:
             return Action.HOST_SYNC
         return Action.REPLAY
@@ -84,8 +100,8 @@ class OperatorPolicy:
         action = self._decisions.get(op)
         if action is None:
             action = self.classify(op)
-        if action is Action.REPLAY:
-            return _RECOMPUTE
+        if action is Action.REPLAY or action is Action.KEEP_WRITTEN:
+            return _RECOMPUTE  # torch's SAC caches the (empty) return and would skip the write
         if action is Action.HOST_SYNC:
             return _SAVE if reads_device_into_host(op, args, kwargs) else _RECOMPUTE
         if action is Action.SCOPED:
@@ -135,16 +151,28 @@ def make_policy(
 
     ``targets=None`` keeps :data:`DEFAULT_TARGETS` (selective mode); a list replaces them; ``[]``
     keeps only the mandatory set. ``mandatory`` adds to :data:`MANDATORY_TARGETS`; it cannot
-    remove from it. Full mode ignores ``targets`` and keeps only the mandatory set. Scoped,
+    remove from it. ``full`` keeps only the mandatory set, ``full_moe`` that set less the FP8
+    Mega MoE; ``projections``, ``attention`` and ``matmul`` keep prime-rl's fixed sets
+    (:data:`prime_ac.targets.LEVEL_TARGETS`) and take no ``targets`` (see :data:`MODES`). Scoped,
     forced-replay and tag targets (``"attention/aten::mm"``, ``"!feed_forward/aten::mm"``,
     ``"tag:attn_out"``) are decided per call (:mod:`prime_ac.scopes`).
     """
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is not a checkpoint mode: use one of {list(MODES)}")
+    if mode in LEVEL_TARGETS:
+        if targets is not None:
+            raise ValueError(
+                f"mode={mode!r} keeps a fixed set (prime_ac.targets.LEVEL_TARGETS[{mode!r}]) and "
+                f"takes no targets, got targets={targets!r}: drop them, or use mode='selective' "
+                "to keep a list of your own"
+            )
+        targets = LEVEL_TARGETS[mode]
     targets = DEFAULT_TARGETS if targets is None else target_list("targets", targets)
     mandatory = () if mandatory is None else target_list("mandatory", mandatory)
     plain, scoped = split_targets(translate_composites(targets))
     target_set = TargetSet(plain)
-    mandatory_set = TargetSet((*MANDATORY_TARGETS, *TargetSet(mandatory)))
+    replayed = REPLAYED_BY_MODE.get(mode, ())
+    base = [t for t in MANDATORY_TARGETS if t not in replayed]
+    mandatory_set = TargetSet((*base, *TargetSet(mandatory)))
     rules = ScopeRules(scoped, target_set) if scoped and mode == "selective" else None
     return OperatorPolicy(mode, target_set, mandatory_set, rules)

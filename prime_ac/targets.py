@@ -23,7 +23,10 @@ from prime_ac import _compat
 __all__ = [
     "DEFAULT_TARGETS",
     "HOST_SYNC_TARGETS",
+    "LEVEL_TARGETS",
     "MANDATORY_TARGETS",
+    "QUACK_GEMMS",
+    "REPLAYED_BY_MODE",
     "Target",
     "TargetSet",
     "operator_key",
@@ -37,17 +40,51 @@ _FORMS = (
     "'ns', 'ns::op' or 'ns::op.overload' (e.g. 'prime_rl_attn', 'aten::mm', 'aten::mm.default')"
 )
 
-_ATTENTION = (
+# The lists carry prime-rl's (src/prime_rl/trainer/activation_checkpointing.py, the newest version
+# in the index: the one defining REPLAYABLE_EXPERT_OPERATIONS and get_layer_modes), torchtitan's
+# and FastVideo's, by name; where prime_ac differs, docs/checkpointing.md ("Lists") gives the
+# measurement. prime-rl's model kernels (DeepSeek V4 attention and RoPE, indexers, mega MoE) stay
+# prime-rl's: the lists name them, prime_ops need not implement them.
+_SDPA = (
     "aten::_scaled_dot_product_flash_attention",
     "aten::_scaled_dot_product_efficient_attention",
     "aten::_scaled_dot_product_cudnn_attention",
     "aten::_scaled_dot_product_flash_attention_for_cpu",
     "aten::_scaled_dot_product_fused_attention_overrideable",
+)
+_ATTENTION = (
+    *_SDPA,
+    "aten::_flash_attention_forward",
+    "aten::_efficient_attention_forward",
     "flash_attn",
     "flash_attn_3",
     "prime_rl_attn",
+    "prime_rl_ring",
     "prime_rl::sparse_mla",
+    "prime_rl::dsv4_sparse_attn",
+    "prime_rl::dsv41_sparse_attn",
+    "prime_rl::dsv41_sparse_attn_rope",
+    "prime_kernels::indexed_attention_forward",
     "higher_order::flex_attention",
+)
+# QuACK's own registered GEMMs (quack-kernels 0.6.5, quack/gemm_interface.py): the functional
+# ones and the out= ones, which return nothing and write their outputs (kept with what they
+# wrote: prime_ac.actions.Action.KEEP_WRITTEN).
+QUACK_GEMMS: tuple[str, ...] = (
+    "quack::gemm",
+    "quack::gemm_add",
+    "quack::gemm_out",
+    "quack::gemm_add_out",
+    "quack::gemm_add_inplace",
+    "quack::gemm_act_out",
+    "quack::gemm_dact_out",
+    "quack::gemm_gated_out",
+    "quack::gemm_dgated_out",
+    "quack::gemm_quant_out",
+    "quack::gemm_symmetric_out",
+    "quack::gemm_rms_out",
+    "quack::gemm_norm_act_out",
+    "quack::gemm_norm_gated_out",
 )
 _MATMUL = (
     "aten::mm",
@@ -56,16 +93,29 @@ _MATMUL = (
     "aten::convolution",
     "aten::_grouped_mm",
     "aten::_scaled_mm",
+    "aten::_scaled_mm_v2",
     "aten::_scaled_grouped_mm",
+    "aten::_scaled_grouped_mm_v2",
     "prime_rl::fp8_blockwise_mm",
+    "prime_rl::fp8_gate_up_mm",
     "prime_rl::grouped_fp8_gemm",
+    "prime_rl::grouped_linear",
+    "prime_rl::dsv4_linear_rope",
     "quack::prime_linear",
     "quack::prime_grouped_linear",
+    *QUACK_GEMMS,
 )
+# prime-rl keeps the whole _c10d_functional namespace. prime_ac keeps its reductions and
+# all-to-alls, not its all-gathers (nor wait_tensor, whose result is the all-gather's): inside a
+# block an all-gather is FSDP's parameter gather (SimpleFSDP, compiled FSDP2), and keeping it
+# holds every checkpointed block's unsharded weights (docs/checkpointing.md, "Lists").
 _COMMUNICATION = (
     "prime_rl_collectives",
     "_c10d_functional::all_to_all_single",
     "_c10d_functional::reduce_scatter_tensor",
+    "_c10d_functional::reduce_scatter_tensor_coalesced",
+    "_c10d_functional::all_reduce",
+    "_c10d_functional::all_reduce_coalesced",
 )
 
 # Compiled regions inside an eager block (torchtitan's compiled flex attention runs as one):
@@ -76,21 +126,56 @@ DEFAULT_TARGETS: tuple[str, ...] = _ATTENTION + _MATMUL + _COMMUNICATION + _COMP
 """What ``mode="selective"`` keeps when ``targets`` is None: attention, matrix products,
 communication and compiled regions. Elementwise ops, norms, reshapes and RoPE replay."""
 
+# prime-rl's levels between "full" and "selective", each keeping more than the one before.
+_PROJECTIONS = (
+    *_COMMUNICATION,
+    *(t for t in _MATMUL if t not in ("aten::convolution", "prime_rl::dsv4_linear_rope")),
+    "prime_kernels::mhc_gates_forward",
+)
+_LEVEL_ATTENTION = (
+    *_PROJECTIONS,
+    *(t for t in _ATTENTION if t != "prime_rl::dsv41_sparse_attn_rope"),
+    "prime_kernels::mhc_projection_forward",
+    "prime_kernels::mhc_update_projection_forward",
+)
+LEVEL_TARGETS: dict[str, tuple[str, ...]] = {
+    "projections": _PROJECTIONS,
+    "attention": _LEVEL_ATTENTION,
+    "matmul": (
+        *_LEVEL_ATTENTION,
+        "prime_rl::dsv41_sparse_attn_rope",
+        "prime_rl::dsv4_linear_rope",
+        "prime_rl::dsv4_q_norm_rope",
+    ),
+}
+"""What prime-rl's modes ``projections``, ``attention`` and ``matmul`` keep beside the mandatory
+set: the projection GEMMs and the collectives, but not the attention query's projection (fused
+with RoPE in prime-rl's DeepSeek models: ``dsv4_linear_rope``); then also the attention outputs
+and the mHC collapses; then also the query, so the recompute runs no matmul. Where the query is
+a plain GEMM (every model without those fused kernels), ``projections`` keeps it already."""
+
 # CompositeImplicitAutograd operators decompose before any dispatch mode sees them: a target
 # naming one names what it dispatches on CPU and CUDA instead (trainers' lists name them:
 # torchtitan's names aten::linear).
 COMPOSITE_TRANSLATIONS: dict[str, tuple[str, ...]] = {
     "aten::linear": ("aten::addmm", "aten::mm", "aten::bmm"),
     "aten::matmul": ("aten::mm", "aten::bmm"),
-    "aten::scaled_dot_product_attention": _ATTENTION[:5],
-    "aten::_scaled_dot_product_attention_math": _ATTENTION[:5],
+    "aten::scaled_dot_product_attention": _SDPA,
+    "aten::_scaled_dot_product_attention_math": _SDPA,
+    # prime-rl's fused kernels run in place of the named one: naming it keeps them too
+    "prime_rl::fp8_blockwise_mm": ("prime_rl::fp8_blockwise_mm", "prime_rl::fp8_gate_up_mm"),
+    "prime_rl::dsv41_sparse_attn": (
+        "prime_rl::dsv41_sparse_attn",
+        "prime_rl::dsv41_sparse_attn_rope",
+    ),
 }
 
 
 def translate_composites(targets: Iterable[str]) -> list[str]:
     """``targets`` with each CompositeImplicitAutograd name in :data:`COMPOSITE_TRANSLATIONS`
     replaced by the operators it dispatches (``aten::linear`` -> addmm, mm and bmm; the SDPA
-    front and its math path -> the fused SDPA kernels, each device's)."""
+    front and its math path -> the fused SDPA kernels, each device's), and each prime-rl kernel
+    with a fused variant joined by it (as prime-rl's ``FUSED_OPERATIONS``)."""
     translated: list[str] = []
     for target in targets:
         name = target.split(".")[0] if isinstance(target, str) else target
@@ -104,9 +189,23 @@ MANDATORY_TARGETS: tuple[str, ...] = (
     "deepep",
     "aten::topk",
     "prime_rl::record_moe_routing_statistics",
+    "prime_rl::fp8_indexer",
+    "prime_rl::dsv41_index_topk",
+    "prime_rl::deepep_moe",
+    "prime_rl::mega_moe",
+    "prime_rl::mega_moe_fp8",
+    "prime_kernels::dsv41_index_topk",
+    "prime_kernels::select_indexed_blocks",
 )
-"""Kept in every mode, whatever ``targets`` says: non-replayable communication (DeepEP), routing
-(top-k must pick the same experts in the recompute) and telemetry (must count once)."""
+"""Kept in every mode, whatever ``targets`` says: non-replayable communication (DeepEP and the
+MoE kernels that run it: ``deepep_moe``, ``mega_moe``, ``mega_moe_fp8``), routing and sparse
+selection (top-k and the indexers must pick the same experts and blocks in the recompute) and
+telemetry (must count once). The names are prime-rl's; its kernels register them."""
+
+REPLAYED_BY_MODE: dict[str, tuple[str, ...]] = {"full_moe": ("prime_rl::mega_moe_fp8",)}
+"""Mandatory operators a mode replays: prime-rl's ``full_moe`` recomputes the FP8 Mega MoE
+(dispatch, expert GEMMs and combine; every expert-parallel rank checkpoints the same layers in
+the same order, so its collectives stay matched) instead of keeping its pools."""
 
 HOST_SYNC_TARGETS: tuple[str, ...] = ("aten::_to_copy", "aten::_local_scalar_dense")
 """Kept in every mode when they read a non-CPU tensor into host memory (a device-to-host copy,
@@ -174,14 +273,16 @@ class Target:
                 return f"names no registered overload (known: {', '.join(dispatched)})"
             dispatched = [self.overload]
         keepable = [
-            getattr(packet, name)
-            for name in dispatched
-            if mandatory or not _compat.schema_is_mutable(getattr(packet, name))
+            overload
+            for overload in (getattr(packet, name) for name in dispatched)
+            if mandatory
+            or not _compat.schema_is_mutable(overload)
+            or _compat.returns_nothing(overload)  # an out= op: kept with what it wrote
         ]
         if not keepable:
             return (
-                "only mutates its arguments: a cached result would skip the write, so it is "
-                "never kept"
+                "only mutates its arguments and returns them: a cached result would skip the "
+                "write, so it is never kept"
             )
         if all(_compat.is_composite_implicit(op) for op in keepable):
             return (

@@ -89,14 +89,16 @@ def test_a_kept_multiply_is_really_kept():
     assert {r.decision for r in report.ops if r.op == "aten::mul.Tensor"} == {"kept"}
 
 
-def test_unknown_targets_are_reported_on_every_call(caplog):
-    for _ in range(2):  # a second model in the same process is warned too
+def test_unknown_targets_are_reported_once_per_configuration(caplog):
+    # a name in a namespace no library has loaded yet stays legal (its backend may load later);
+    # the same configuration applied again (a second model, FastVideo's per-run setup) says it once
+    seen = []
+    for targets in (["aten::mm", "nosuchns_once::op"],) * 2 + (["nosuchns_once::op"],):
         with caplog.at_level(logging.WARNING, logger="prime_ac"):
             caplog.clear()
-            prime_ac.checkpoint_blocks(
-                CountingModel(), mode="selective", targets=["aten::mm", "nosuchns::op"]
-            )
-        assert ["nosuchns::op" in r.getMessage() for r in caplog.records] == [True]
+            prime_ac.checkpoint_blocks(CountingModel(), mode="selective", targets=targets)
+        seen.append(["nosuchns_once::op" in r.getMessage() for r in caplog.records])
+    assert seen == [[True], [], [True]]  # the third call is another configuration
 
 
 # --- item 6: arguments that would be ignored or are malformed -------------------------------------
