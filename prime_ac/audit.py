@@ -33,7 +33,7 @@ from prime_ac.modes import ReplayMode
 from prime_ac.scopes import ScopeTracker
 from prime_ac.store import RegionStore
 from prime_ac.targets import TargetSet, operator_key
-from prime_ac.watch import MeasuringKeepMode
+from prime_ac.watch import MeasuringKeepMode, worse
 
 __all__ = ["AuditReport", "CallRecord", "OpRecord", "audit", "op_name"]
 
@@ -106,14 +106,18 @@ class AuditReport:
     # starts, measured by the no-AC step)
     block_held_bytes: dict[str, int] = field(default_factory=dict)
     block_held_bytes_no_ac: dict[str, int] = field(default_factory=dict)
+    # blocks that run without checkpointing since their first step held at least what no AC
+    # holds for them (checkpoint_blocks' skip_worse): block -> the bytes that step measured
+    blocks_bypassed: dict[str, str] = field(default_factory=dict)
 
     def blocks_worse_than_no_ac(self) -> list[str]:
-        """Blocks whose kept results reach what no AC would hold for them: checkpointing them
-        this way costs memory and compute both."""
+        """Blocks whose kept results reach what no AC would hold for them, by the first step's
+        rule (:func:`prime_ac.watch.worse`: at least ``REPORTED_BYTES`` kept): checkpointing
+        them this way costs memory and compute both."""
         return [
             block
             for block, kept in self.block_held_bytes.items()
-            if kept > 0 and kept >= self.block_held_bytes_no_ac.get(block, 0)
+            if worse(kept, self.block_held_bytes_no_ac.get(block, 0))
         ]
 
     def block_kept_bytes(self) -> dict[str, int]:
@@ -204,6 +208,8 @@ class AuditReport:
             "targets that matched nothing: " + (", ".join(self.unmatched_targets) or "none"),
             "blocks holding at least what no AC holds for them: "
             + (", ".join(self.blocks_worse_than_no_ac()) or "none"),
+            "blocks run without checkpointing since their first step held at least what no AC "
+            "holds: " + (", ".join(self.blocks_bypassed) or "none"),
         ]
         return "\n".join(lines)
 
@@ -254,6 +260,9 @@ class _AuditKeepMode(MeasuringKeepMode):
         self.recorder.calls[self.state.name].append(call)
         self.recorder.by_position[(self.state.name, func, index)] = call
         return out
+
+    def ledger(self) -> None:  # the audit measures no AC by running it
+        return None
 
     def measured(self) -> None:
         self.recorder.kept_bytes[self.state.name] = self.kept_bytes
@@ -409,4 +418,9 @@ def audit(model: nn.Module, loss_fn: LossFn) -> AuditReport:
         held_bytes_no_ac_by_device=held_none,
         block_held_bytes=recorder.kept_bytes,
         block_held_bytes_no_ac=block_none,
+        blocks_bypassed={
+            name: checkpoint_state(block).bypassed
+            for name, block in blocks
+            if checkpoint_state(block).bypassed
+        },
     )

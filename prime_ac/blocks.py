@@ -76,6 +76,11 @@ class BlockCheckpoint:
     original_class: type | None = None  # filled in by wrap_block
     early_stop: bool | None = None
     determinism_check: str | None = None
+    # the first step's prime_ac.watch.Watch of this block's configuration (its bytes, once
+    # every block ran), and why the block runs without checkpointing since then ("" while it
+    # is checkpointed): its first step held at least what no AC holds for it
+    watch: Any = dataclasses.field(default=None, compare=False, repr=False)
+    bypassed: str = ""
 
     def __reduce__(self) -> tuple[Any, ...]:
         # context_fn closes over the policy, and the policy caches decisions keyed by operator
@@ -83,6 +88,7 @@ class BlockCheckpoint:
         # settings, so a copy never reads the scope tracker of the original. A targets="auto"
         # plan's contexts (full mode: no scopes) travel as they are.
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields["watch"] = None  # a copy reports nothing of the original's first step
         policy = fields.pop("policy")
         if type(policy) is not OperatorPolicy or self.plan is not None:
             return (_restored_state, (policy, None, fields))
@@ -214,8 +220,12 @@ class _CheckpointedBlock(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         state: BlockCheckpoint = getattr(self, _STATE)
-        if not state.active or (state.plan is not None and not state.plan.checkpointed):
-            return super().forward(*args, **kwargs)  # a budget plan may leave a block plain
+        if (
+            not state.active
+            or state.bypassed
+            or (state.plan is not None and not state.plan.checkpointed)
+        ):  # a budget plan, or the first step's bytes (prime_ac.watch), may leave a block plain
+            return super().forward(*args, **kwargs)
         if state.plan is not None and torch.compiler.is_compiling():
             raise RuntimeError(
                 f'prime_ac: {state.name} uses a targets="auto" plan, which is keyed on the '

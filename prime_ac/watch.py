@@ -1,16 +1,18 @@
 """What a configuration did on its first step, said once: silence means the policy did as asked.
 
 ``checkpoint_blocks`` gives every block of one configuration the same :class:`Watch`. The first
-forward of each block runs under :class:`MeasuringKeepMode`, which also measures what autograd
-would hold for the block without checkpointing (the tensors it saves that the block created);
-every forward tells the watch which operators it dispatched. Once each block ran its first
-forward, the watch reports:
+forward with gradients of each block runs under :class:`MeasuringKeepMode`, which also records
+the storages the block creates and which of them autograd saves (:class:`Ledger`): what no AC
+would hold for the block, the figure the audit measures by running no AC. Every forward tells
+the watch which operators it dispatched. Once each block ran its first forward, the watch
+reports:
 
 - targets that matched no call in any block, naming what the blocks dispatched instead where it
   is close (``aten::mm`` named, ``aten::addmm`` called); ``strict=True`` raises instead;
-- blocks whose kept results exceed what no AC holds for them: selective checkpointing there
-  costs memory and compute both (the audit, which measures no AC by running it, lists the
-  blocks that reach it).
+- blocks whose kept results reach what no AC holds for them (:func:`worse`: at least
+  :data:`REPORTED_BYTES` kept): checkpointing them this way costs memory and compute both, so
+  they run without checkpointing from then on (logged once per block), or, with
+  ``skip_worse=False``, keep checkpointing with a warning.
 
 Later forwards pay nothing for this: they run the plain :class:`~prime_ac.modes.KeepMode`.
 """
@@ -21,6 +23,7 @@ import difflib
 import logging
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,66 +32,113 @@ from prime_ac import _compat
 from prime_ac.modes import KeepMode
 from prime_ac.targets import Target, TargetSet, operator_key
 
-__all__ = ["MeasuringKeepMode", "Watch"]
+__all__ = ["REPORTED_BYTES", "Ledger", "MeasuringKeepMode", "Watch", "worse"]
 
 logger = logging.getLogger("prime_ac")
 
 # Operators a target may name where the block dispatches a sibling: a matmul as mm, addmm or bmm
 # by whether it has a bias or a batch; attention as the kernel of the device it runs on.
-_MATMULS = {
-    "mm",
-    "addmm",
-    "bmm",
-    "baddbmm",
-    "addbmm",
-    "matmul",
-    "linear",
-    "_grouped_mm",
-    "_scaled_mm",
-}
+_MATMULS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear"}
 
 
-def _family(target: Target) -> str | None:
-    """The family of operators ``target`` belongs to, where lists name every member on purpose
-    (each device's attention kernel, mm beside addmm)."""
-    if target.op in _MATMULS:
+def _family(namespace: str, op: str | None) -> str | None:
+    """The family of an operator, whose members stand for each other on some model or device
+    (lists name every member on purpose): matmuls (``mm``, ``addmm``, ``_grouped_mm``, a GEMM
+    library's ops), attention kernels (each device's SDPA kernel, flash, flex, varlen) and
+    convolutions."""
+    if op is None:
+        return None
+    if op in _MATMULS or op.endswith("_mm") or "gemm" in op:
         return "matmul"
-    if target.op is not None and "scaled_dot_product" in target.op:
+    if "attention" in op or "attn" in op:
         return "attention"
+    if "convolution" in op:
+        return "convolution"
     return None
 
 
 class Watch:
     """The first step of one configuration: operators seen, and each block's bytes."""
 
-    def __init__(self, targets: list[str], blocks: list[str], strict: bool):
+    def __init__(
+        self,
+        targets: list[str],
+        blocks: list[str],
+        strict: bool,
+        bypass: Callable[[str, str], None] | None = None,
+    ):
         self.targets = [Target.parse(t) for t in targets]
         self.pending = set(blocks)
         self.strict = strict
         self.seen: set[Any] = set()
+        self.kept: dict[str, int] = {}  # block -> bytes of its kept results
         self.bytes: dict[str, tuple[int, int]] = {}  # block -> (kept, held without AC)
+        self.ledger = Ledger()
+        # bypass(block, why) makes a block run without checkpointing from its next forward on;
+        # None keeps checkpointing it (checkpoint_blocks(..., skip_worse=False)) and warns
+        self.bypass = bypass
 
     def saw(self, op: Any) -> None:
         self.seen.add(op)
 
     def measures(self, block: str | None) -> bool:
-        return block in self.pending
+        """Whether ``block``'s forward is a first step's: one with gradients (a validation pass
+        saves nothing, so it says nothing about training) before the block reported."""
+        return block in self.pending and torch.is_grad_enabled()
 
-    def forward_done(self, block: str, kept: int, no_ac: int) -> None:
-        if block not in self.pending:
+    def forward_done(self, block: str, kept: int) -> None:
+        if not self.measures(block):
             return
         self.pending.discard(block)
-        self.bytes[block] = (kept, no_ac)
+        self.kept[block] = kept
         if not self.pending:
+            no_ac = self.ledger.no_ac_bytes()
+            self.bytes = {b: (k, no_ac.get(b, 0)) for b, k in self.kept.items()}
+            self.ledger = Ledger()  # the storages' records are no longer needed
             self._report()
+            self._verdict()
+
+    def worse_than_no_ac(self) -> list[str]:
+        """Blocks whose kept results reach what no AC holds for them, where that matters: at
+        least :data:`REPORTED_BYTES` kept."""
+        return [b for b, (kept, no_ac) in self.bytes.items() if worse(kept, no_ac)]
+
+    def _verdict(self) -> None:
+        for block in self.worse_than_no_ac():
+            kept, no_ac = self.bytes[block]
+            held = (
+                f"block {block!r} keeps {_mib(kept)} of operator results for backward, while "
+                f"without checkpointing autograd would hold {_mib(no_ac)} for it"
+            )
+            if self.bypass is not None:
+                logger.warning(
+                    "prime_ac: checkpointed %s on the first step; it runs without checkpointing "
+                    "from now on, which holds less and replays nothing (checkpoint_blocks(..., "
+                    "skip_worse=False) keeps checkpointing it)",
+                    held,
+                )
+                self.bypass(block, held)
+                continue
+            warnings.warn(
+                f"prime_ac: checkpointed {held}: checkpointing it this way costs memory and "
+                "compute both (frozen weights need few saved tensors, a LoRA base for instance). "
+                "Keep fewer operators there (targets=[...], mode='full'), plan per block with "
+                "targets='auto' and a budget, leave the block out (blocks=...), or let prime_ac "
+                "run it without checkpointing (skip_worse=True, the default).",
+                stacklevel=2,
+            )
 
     def unmatched(self) -> list[str]:
         """Targets that matched no call, less those whose family another target matched: a list
         naming the CUDA and CPU attention kernels, or mm and addmm, does what it says."""
         keys = [operator_key(op) for op in self.seen]
         matched = {t for t in self.targets if any(TargetSet([str(t)]).matches(k) for k in keys)}
-        families = {_family(t) for t in matched} - {None}
-        return [str(t) for t in self.targets if t not in matched and _family(t) not in families]
+        families = {_family(t.namespace, t.op) for t in matched} - {None}
+        return [
+            str(t)
+            for t in self.targets
+            if t not in matched and _family(t.namespace, t.op) not in families
+        ]
 
     def _report(self) -> None:
         unmatched = self.unmatched()
@@ -101,37 +151,46 @@ class Watch:
             if self.strict:
                 raise ValueError(message + " (strict=True)")
             logger.warning(message)
-        for block, (kept, no_ac) in self.bytes.items():
-            if kept > no_ac:
-                warnings.warn(
-                    f"prime_ac: checkpointed block {block!r} keeps {_mib(kept)} of operator "
-                    f"results for backward, while without checkpointing autograd would hold "
-                    f"{_mib(no_ac)} for it: checkpointing it this way costs memory and compute "
-                    "both (frozen weights need few saved tensors, a LoRA base for instance). "
-                    "Keep fewer operators there (targets=[...], mode='full'), plan per block "
-                    "with targets='auto' and a budget, or leave the block out (blocks=...).",
-                    stacklevel=2,
-                )
 
     def _instead(self, target: str) -> str:
+        """The operators the blocks called that could stand for ``target``: its family's
+        members (``aten::mm`` for ``aten::addmm``), or, for a target of no family, a name close
+        to it in its namespace; only operators a policy can keep (none that writes its input)."""
         parsed = Target.parse(target)
         if parsed.op is None:
             return ""
-        called = sorted(
-            {
-                f"{ns}::{op}"
-                for ns, op, _ in (operator_key(o) for o in self.seen)
-                if ns == parsed.namespace and op != parsed.op
+        called = {
+            (ns, op)
+            for o in self.seen
+            if not _compat.schema_is_mutable(o)
+            for ns, op, _ in [operator_key(o)]
+            if op != parsed.op
+        }
+        family = _family(parsed.namespace, parsed.op)
+        if family is not None:
+            close = {f"{ns}::{op}" for ns, op in called if _family(ns, op) == family}
+        else:
+            names = [op for ns, op in called if ns == parsed.namespace and _family(ns, op) is None]
+            close = {
+                f"{parsed.namespace}::{op}"
+                for op in difflib.get_close_matches(parsed.op, names, n=3, cutoff=0.6)
             }
-        )
-        names = [name.split("::")[1] for name in called]
-        close = set(difflib.get_close_matches(parsed.op, names, n=3, cutoff=0.6))
-        if parsed.op in _MATMULS:
-            close |= {n for n in names if n in _MATMULS}
         if not close:
             return ""
-        instead = ", ".join(f"{parsed.namespace}::{n}" for n in sorted(close))
-        return f" (the blocks called {instead}: name that instead, or beside it)"
+        return f" (the blocks called {', '.join(sorted(close))}: name that instead, or beside it)"
+
+
+# Below this many kept bytes a block is never reported nor bypassed: its kept results (a
+# block's own 24-byte output, a test model's few KiB) cost nothing worth a word, whatever the
+# ratio to no AC. Blocks of models worth checkpointing hold MiBs to GiBs.
+REPORTED_BYTES = 2**20
+
+
+def worse(kept: int, no_ac: int) -> bool:
+    """Whether a block keeping ``kept`` bytes, where no AC holds ``no_ac`` for it, is better off
+    without checkpointing: it holds at least as much and replays, and it keeps at least
+    :data:`REPORTED_BYTES`. The first step and the audit both judge by this."""
+    return kept >= REPORTED_BYTES and kept >= no_ac
 
 
 def _mib(n: int) -> str:
@@ -148,63 +207,129 @@ def _storages(tensors: Any) -> dict[int, int]:
     return found
 
 
-class MeasuringKeepMode(KeepMode):
-    """A watched block's first forward: :class:`KeepMode`, plus what no AC would hold for it.
+class _Created:
+    """One storage a watched block created on the first step."""
 
-    Without AC a block holds, when its forward returns, the tensors autograd saved and the other
-    tensors its forward created that are still alive (its output), as the audit's no-AC step
-    counts them. torch's checkpoint has installed its saved-tensor hooks when this mode enters;
-    a pair on top records each tensor autograd saves and hands it on to checkpoint's own hooks, so
-    the checkpoint behaves exactly as without the measurement.
+    __slots__ = ("block", "ref", "nbytes", "saved", "kept")
+
+    def __init__(self, block: str, storage: torch.UntypedStorage):
+        self.block, self.ref, self.nbytes = block, weakref.ref(storage), storage.nbytes()
+        self.saved = self.kept = False
+
+    def alive(self) -> bool:
+        return self.ref() is not None
+
+
+class Ledger:
+    """The storages the watched blocks created on the first step, and which autograd saved.
+
+    What no AC holds for a block is what the audit's no-AC step counts: the storages the block's
+    forward created that are alive when backward starts. Here, in the checkpointed step, that is
+    each storage autograd saved inside any watched block's first forward (the block's own saves
+    and the next block's saves of its output), plus each storage still alive when the last
+    watched block returns that no checkpoint store holds (the model's output, state kept on
+    modules, tensors the code around the blocks saved). A storage kept only as a later block's
+    checkpointed input counts too: the figure errs high, so that it never makes a block look
+    worse than no AC. Storages are told apart by their address while alive, so a storage freed
+    and its address reused (the checkpointed forward frees what it does not keep) counts twice,
+    as in no AC, where both stay alive.
     """
 
+    def __init__(self) -> None:
+        self.created: list[_Created] = []
+        self._at: dict[int, _Created] = {}  # storage address -> the storage living there now
+
+    def _live(self, t: torch.Tensor) -> _Created | None:
+        entry = self._at.get(_compat.storage_id(t))
+        return entry if entry is not None and entry.alive() else None
+
+    def outputs(self, block: str, args: Any, out: Any) -> None:
+        """Record the storages an operator call created (a view shares its input's)."""
+        inputs = _storages(_compat.tree_leaves(args))
+        for leaf in _compat.tree_leaves(out):
+            if not isinstance(leaf, torch.Tensor) or _compat.storage_id(leaf) in inputs:
+                continue
+            sid = _compat.storage_id(leaf)
+            if sid is None or self._live(leaf) is not None:
+                continue
+            storage = leaf.untyped_storage()
+            if storage.nbytes() > 0 and leaf.device.type != "meta":
+                entry = self._at[sid] = _Created(block, storage)
+                self.created.append(entry)
+
+    def saved(self, t: torch.Tensor) -> None:
+        entry = self._live(t)
+        if entry is not None:
+            entry.saved = True
+
+    def kept(self, tensors: Any) -> None:
+        for t in tensors:
+            entry = self._live(t) if isinstance(t, torch.Tensor) else None
+            if entry is not None:
+                entry.kept = True
+
+    def no_ac_bytes(self) -> dict[str, int]:
+        """Per block, what no AC would hold for it; call once every watched block returned."""
+        held: dict[str, int] = {}
+        for entry in self.created:
+            if entry.saved or (entry.alive() and not entry.kept):
+                held[entry.block] = held.get(entry.block, 0) + entry.nbytes
+        return held
+
+
+class MeasuringKeepMode(KeepMode):
+    """A block's first forward: :class:`KeepMode`, plus the bytes of its kept results and, for a
+    watched block, the storages it creates and autograd saves (see :class:`Ledger`).
+
+    torch's checkpoint has installed its saved-tensor hooks when this mode enters; a pair on top
+    records each tensor autograd saves and hands it on to checkpoint's own hooks, so the
+    checkpoint behaves exactly as without the measurement.
+    """
+
+    def ledger(self) -> Ledger | None:
+        watch = self.rules.watch
+        return watch.ledger if watch is not None and watch.measures(self.rules.block) else None
+
     def __enter__(self):
-        self._created: dict[int, weakref.ref] = {}
-        self._saved: dict[int, int] = {}
-        pack, unpack = _compat.top_saved_tensors_hooks() or (_detached, _same)
+        self._ledger = self.ledger()
+        if self._ledger is not None:
+            pack, unpack = _compat.top_saved_tensors_hooks() or (_detached, _same)
+            record = self._ledger.saved
 
-        def recording_pack(t: torch.Tensor) -> Any:
-            self._saved.update(_storages([t]))
-            return pack(t)
+            def recording_pack(t: torch.Tensor) -> Any:
+                record(t)
+                return pack(t)
 
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(recording_pack, unpack)
-        self._hooks.__enter__()
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(recording_pack, unpack)
+            self._hooks.__enter__()
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        # storages this call created: a view (of a parameter, say) shares its input's
-        inputs = _storages(args)
-        for leaf in _compat.tree_leaves(out):
-            if isinstance(leaf, torch.Tensor):
-                sid = _compat.storage_id(leaf)
-                if sid is not None and sid not in inputs:
-                    self._created[sid] = weakref.ref(leaf)
+        if self._ledger is not None:
+            self._ledger.outputs(self.rules.block, (args, kwargs), out)
         return out
 
     def __exit__(self, *exc: Any):
         try:
             result = super().__exit__(*exc)
         finally:
-            self._hooks.__exit__(*exc)
+            if self._ledger is not None:
+                self._hooks.__exit__(*exc)
         if exc[0] is None:
-            kept = _storages(
-                t
-                for entries in self.store.entries.values()
-                for e in entries.values()
+            tensors = [
+                t for entries in self.store.entries.values() for e in entries.values()
                 for t in e.tensors
-            )
-            self.kept_bytes = sum(kept.values())
-            live = _storages(ref() for ref in self._created.values())
-            held = {sid: n for sid, n in self._saved.items() if sid in self._created}
-            held.update((sid, n) for sid, n in live.items() if sid not in kept)
-            self.no_ac_bytes = sum(held.values())
+            ]
+            self.kept_bytes = sum(_storages(tensors).values())
+            if self._ledger is not None:
+                self._ledger.kept(tensors)
             self.measured()
         return result
 
     def measured(self) -> None:
-        """Called with ``kept_bytes`` and ``no_ac_bytes`` set, after a forward that returned."""
-        self.rules.watch.forward_done(self.rules.block, self.kept_bytes, self.no_ac_bytes)
+        """Called with ``kept_bytes`` set, after a forward that returned."""
+        self.rules.watch.forward_done(self.rules.block, self.kept_bytes)
 
 
 def _detached(t: torch.Tensor) -> torch.Tensor:

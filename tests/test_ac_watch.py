@@ -2,8 +2,9 @@
 
 - an op list that keeps nothing is reported (naming what the blocks called instead), and
   ``strict=True`` raises;
-- a block whose kept results reach what no AC holds for it is warned about, and the audit
-  lists it; ``targets="auto"`` never plans such a block;
+- a block whose kept results reach what no AC holds for it (1 MiB or more) runs without
+  checkpointing from then on (``skip_worse=False``: warned about, and the audit lists it);
+  ``targets="auto"`` never plans such a block;
 - a fractional budget is a share of the whole model's activation memory without AC.
 """
 
@@ -107,17 +108,90 @@ def test_strict_raises_on_the_first_step_for_targets_that_kept_nothing():
         _step(model, x)
 
 
-def test_a_block_keeping_more_than_no_ac_is_warned_about_and_audited():
-    model, x = _stack(LoRA), torch.randn(8, 64, requires_grad=True)
+def _lora_stack():
+    """Two LoRA blocks large enough to matter: selective keeps 3 MiB of frozen matmul outputs
+    per block, where no AC holds about 2 MiB (the adapter's input and the block's output)."""
+    return _stack(lambda: LoRA(dim=256)), torch.randn(1024, 256, requires_grad=True)
+
+
+def _bypassed(caplog):
+    return [r.getMessage() for r in caplog.records if "runs without checkpointing" in r.message]
+
+
+def test_a_block_holding_at_least_no_ac_runs_without_checkpointing_from_then_on(caplog):
+    caplog.set_level(logging.WARNING, logger="prime_ac")
+    model, x = _lora_stack()
     reference = copy.deepcopy(model)
     _step(reference, x)
     prime_ac.checkpoint_blocks(model, mode="selective")
-    with pytest.warns(UserWarning, match=r"block '0' keeps .* without checkpointing autograd"):
+    caplog.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # logged, not warned
         _step(model, x)
     assert_bitwise_equal(grads(model), grads(reference))
+
+    first = checkpoint_state(model[0]).watch.bytes
+    assert all(kept >= no_ac > 0 for kept, no_ac in first.values()), first
+    logged = _bypassed(caplog)
+    assert len(logged) == 2 and all(f"block '{b}' keeps" in m for b, m in zip("01", logged))
+    kept, no_ac = first["0"]
+    assert f"keeps {kept / 2**20:.2f} MiB" in logged[0]
+    assert f"would hold {no_ac / 2**20:.2f} MiB" in logged[0]
+    assert all(checkpoint_state(block).bypassed for block in model)
+
+    caplog.clear()
+    model.zero_grad(set_to_none=True)
+    _step(model, x)  # the second step runs the blocks plain, and says nothing again
+    assert_bitwise_equal(grads(model), grads(reference))
+    assert _bypassed(caplog) == []
     report = prime_ac.audit(model, lambda m: m(x).square().sum())
-    assert report.blocks_worse_than_no_ac() == ["0", "1"]
+    assert sorted(report.blocks_bypassed) == ["0", "1"]
+    assert report.replayed_ops == 0 and report.held_bytes == report.held_bytes_no_ac
+    assert report.blocks_worse_than_no_ac() == []
+    assert "held at least what no AC holds: 0, 1" in str(report)
+
+    prime_ac.checkpoint_blocks(model, mode="full")  # a new configuration checkpoints again
+    assert not any(checkpoint_state(block).bypassed for block in model)
+    assert prime_ac.audit(model, lambda m: m(x).square().sum()).replayed_ops > 0
+
+
+def test_skip_worse_false_keeps_checkpointing_and_warns():
+    model, x = _lora_stack()
+    prime_ac.checkpoint_blocks(model, mode="selective", skip_worse=False)
+    with pytest.warns(UserWarning, match=r"block '0' keeps .* without checkpointing autograd"):
+        _step(model, x)
+    assert not any(checkpoint_state(block).bypassed for block in model)
+    report = prime_ac.audit(model, lambda m: m(x).square().sum())
+    assert report.blocks_worse_than_no_ac() == ["0", "1"] and report.blocks_bypassed == {}
     assert "blocks holding at least what no AC holds for them: 0, 1" in str(report)
+
+
+def test_blocks_below_the_reported_size_are_silent_and_stay_checkpointed(caplog):
+    """A tiny LoRA stack keeps more than no AC too, but a few KiB: not worth a word."""
+    caplog.set_level(logging.WARNING, logger="prime_ac")
+    model, x = _stack(LoRA), torch.randn(8, 64, requires_grad=True)
+    prime_ac.checkpoint_blocks(model, mode="selective")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _step(model, x)
+    first = checkpoint_state(model[0]).watch.bytes
+    assert all(no_ac <= kept < prime_ac.watch.REPORTED_BYTES for kept, no_ac in first.values())
+    assert _bypassed(caplog) == [] and not checkpoint_state(model[0]).bypassed
+
+
+def test_a_validation_pass_is_no_first_step():
+    model, x = _lora_stack()
+    prime_ac.checkpoint_blocks(model, mode="selective")
+    with torch.no_grad():
+        model(x)
+    assert checkpoint_state(model[0]).watch.bytes == {}
+    _step(model, x)
+    assert checkpoint_state(model[0]).bypassed
+
+
+def test_skip_worse_takes_a_bool():
+    with pytest.raises(TypeError, match=r"skip_worse='yes' must be True"):
+        prime_ac.checkpoint_blocks(_stack(LoRA), skip_worse="yes")
 
 
 def test_full_mode_on_the_same_blocks_says_nothing():

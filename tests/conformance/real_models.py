@@ -38,6 +38,8 @@ class Case:
         if getattr(out, "loss", None) is not None:
             return out.loss
         first = out[0] if isinstance(out, tuple) else next(iter(out.values()))
+        if isinstance(first, (list, tuple)):  # ControlNet: a list of residuals, then one more
+            first = torch.cat([t.flatten() for t in torch.utils._pytree.tree_leaves(out)])
         weights = torch.randn(first.shape, generator=torch.Generator().manual_seed(2))
         return (first.float() * weights).sum()
 
@@ -224,6 +226,58 @@ def _hidream_batch() -> dict[str, Any]:
         "encoder_hidden_states_t5": torch.randn(BATCH, 6, 8, generator=g),
         "encoder_hidden_states_llama3": torch.randn(2, BATCH, 6, 4, generator=g),  # 2 LLM layers
         "pooled_embeds": torch.randn(BATCH, 8, generator=g),
+        "return_dict": False,
+    }
+
+
+def _whisper_batch() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "input_features": torch.randn(BATCH, 8, 16, generator=g),  # 8 mel bins, 16 frames
+        "labels": torch.randint(3, VOCAB, (BATCH, 5), generator=g),
+        "use_cache": False,
+    }
+
+
+def _blip2_batch() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB - 1, (BATCH, SEQ + 4), generator=g)
+    ids[:, :4] = VOCAB - 1  # the image's 4 query tokens
+    return {
+        "pixel_values": torch.randn(BATCH, 3, 16, 16, generator=g),
+        "input_ids": ids,
+        "labels": ids,
+        "use_cache": False,
+    }
+
+
+def _switch_batch() -> dict[str, Any]:
+    return {k: v for k, v in _seq2seq().items() if k != "use_cache"}
+
+
+def _controlnet() -> nn.Module:
+    from diffusers import ControlNetModel
+
+    torch.manual_seed(0)
+    return ControlNetModel(
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        in_channels=4,
+        cross_attention_dim=16,
+        attention_head_dim=2,
+        norm_num_groups=4,
+        conditioning_embedding_out_channels=(8, 8),
+    ).train()
+
+
+def _controlnet_batch() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "sample": torch.randn(BATCH, 4, 8, 8, generator=g),
+        "timestep": torch.tensor([10, 500]),
+        "encoder_hidden_states": torch.randn(BATCH, 4, 16, generator=g),
+        "controlnet_cond": torch.randn(BATCH, 3, 16, 16, generator=g),
         "return_dict": False,
     }
 
@@ -526,6 +580,127 @@ CASES = [
         _hidream,
         _hidream_batch,
         _names("double_stream_blocks", 2) + _names("single_stream_blocks", 2),
+    ),
+    # where the first step's no-AC bytes once disagreed with the audit's (issue 30)
+    Case(
+        "opt",
+        _hf(
+            "OPTConfig",
+            "OPTForCausalLM",
+            vocab_size=VOCAB,
+            hidden_size=32,
+            ffn_dim=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            word_embed_proj_dim=32,
+            dropout=0.0,
+            attention_dropout=0.0,
+            **_IDS,
+        ),
+        _LM_BATCH,
+        _names("model.decoder.layers", 2),
+    ),
+    Case(
+        "whisper",
+        _hf(
+            "WhisperConfig",
+            "WhisperForConditionalGeneration",
+            vocab_size=VOCAB,
+            num_mel_bins=8,
+            d_model=32,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            max_source_positions=8,
+            max_target_positions=16,
+            dropout=0.0,
+            attention_dropout=0.0,
+            decoder_start_token_id=1,
+            suppress_tokens=None,
+            begin_suppress_tokens=None,
+            **_IDS,
+        ),
+        _whisper_batch,
+        _names("model.encoder.layers", 2) + _names("model.decoder.layers", 2),
+    ),
+    Case(
+        "blip2",
+        _hf(
+            "Blip2Config",
+            "Blip2ForConditionalGeneration",
+            vision_config=dict(
+                image_size=16,
+                patch_size=4,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                attention_dropout=0.0,
+            ),
+            qformer_config=dict(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                intermediate_size=64,
+                encoder_hidden_size=32,
+                cross_attention_frequency=1,
+                hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
+            ),
+            text_config=dict(
+                model_type="opt",
+                vocab_size=VOCAB,
+                hidden_size=32,
+                ffn_dim=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                word_embed_proj_dim=32,
+                max_position_embeddings=64,
+                dropout=0.0,
+                **_IDS,
+            ),
+            num_query_tokens=4,
+            image_token_index=VOCAB - 1,
+        ),
+        _blip2_batch,
+        _names("vision_model.encoder.layers", 2)
+        + _names("qformer.encoder.layer", 2)
+        + _names("language_model.model.decoder.layers", 2),
+    ),
+    Case(
+        "switch_transformers",
+        _hf(
+            "SwitchTransformersConfig",
+            "SwitchTransformersForConditionalGeneration",
+            vocab_size=VOCAB,
+            d_model=16,
+            d_kv=4,
+            d_ff=32,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=4,
+            num_experts=4,
+            expert_capacity=8,
+            decoder_start_token_id=0,
+            dropout_rate=0.0,
+            router_jitter_noise=0.0,
+            **_IDS,
+        ),
+        _switch_batch,  # its encoder refuses use_cache=True, so the cache test does not apply
+        _names("encoder.block", 2) + _names("decoder.block", 2),
+    ),
+    # a ControlNet: down blocks and the mid block's attention and resnets, each a stack
+    Case(
+        "controlnet",
+        _controlnet,
+        _controlnet_batch,
+        _names("down_blocks", 2)
+        + ("mid_block.attentions.0", "mid_block.resnets.0", "mid_block.resnets.1"),
     ),
 ]
 
