@@ -5,7 +5,9 @@
 # 2. the wheel installed into a fresh venv (torch==2.13.0 first, then the wheel with torch
 #    pinned), imported from outside the checkout with both __version__ equal to the project's
 #    version and no warning, and the README's "prime_ac in one page" example run there;
-# 3. pip resolves the `all` and `conformance` extras on this CPU machine (--dry-run);
+# 3. pip resolves the `all` and `conformance` extras, and `all-cu12`, on this CPU machine
+#    (--dry-run --report: the kernel wheels are fetched to read their metadata, about 0.6 GB,
+#    never installed), and each set holds packages of one CUDA major only (13, resp. 12);
 # 4. the sdist's own test suite, run in the unpacked sdist with .venv-test's packages (the sdist's
 #    prime_ac and prime_ops shadow the editable install of the checkout).
 #
@@ -58,8 +60,40 @@ if grep -i warn "$work/import.err"; then
     exit 1
 fi
 
-step "3. the extras resolve on this machine"
-"$work/venv/bin/pip" install -qq --dry-run -c "$work/pin.txt" "$wheel[all,conformance]"
+step "3. the extras resolve on this machine, each to one CUDA major"
+# A package belongs to a CUDA major by a -cuNN suffix, or, for CUDA's own components (which drop
+# the suffix from CUDA 13 on), by its version. The torch here is the CPU wheel; PyPI's torch
+# 2.13.0 is CUDA 13 itself (cuda-bindings 13, nvidia-nvshmem-cu13).
+cuda_majors() {
+    "$work/venv/bin/python" - "$@" <<'PY'
+import json, re, sys
+
+report, want = sys.argv[1], int(sys.argv[2])
+versioned = re.compile(
+    r"cuda-(bindings|toolkit|python)|nvidia-(cuda-[a-z0-9-]+|cublas|cudnn|cufft|cufile|curand"
+    r"|cusolver|cusparse|cusparselt|nccl|nvjitlink|nvshmem|nvtx|nvvm|nvfatbin)"
+)
+majors = {}
+for item in json.load(open(report))["install"]:
+    name, version = item["metadata"]["name"].lower(), item["metadata"]["version"]
+    suffix = re.search(r"-cu(\d+)$", name)
+    if suffix or versioned.fullmatch(name):
+        majors[name] = int(suffix.group(1) if suffix else version.split(".")[0])
+# nvidia-cutlass-dsl installs its cu12 libraries in every variant; next to its cu13 ones, its
+# loader takes those on any driver that runs CUDA 13 (the drivers torch's CUDA 13 needs).
+if want == 13 and "nvidia-cutlass-dsl-libs-cu13" in majors:
+    majors.pop("nvidia-cutlass-dsl-libs-cu12", None)
+others = {name: major for name, major in majors.items() if major != want}
+assert majors and not others, f"CUDA {want} wanted; these are not: {others} (all: {majors})"
+print(f"CUDA {want} only: {', '.join(sorted(majors))}")
+PY
+}
+for pair in "all,conformance 13" "all-cu12 12"; do
+    read -r extras major <<<"$pair"
+    "$work/venv/bin/pip" install -qq --dry-run --report "$work/$extras.json" -c "$work/pin.txt" \
+        "$wheel[$extras]"
+    cuda_majors "$work/$extras.json" "$major"
+done
 
 step "4. the sdist's test suite"
 mkdir "$work/sdist"
