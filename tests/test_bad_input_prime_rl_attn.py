@@ -29,7 +29,8 @@ def _packed():
     return q, k, v, cu, cu, 5, 5
 
 
-# (changes to the raw op's arguments, message): softcap, causal and scale come last
+# (changes to the raw op's arguments, message); sdpa_varlen takes FA4's schema (causal, window
+# left/right, then prime_ops' scale and softcap)
 RAW = [
     # softcap=inf passed the >= 0 check and returned all-NaN out and lse (issue 24)
     ({"softcap": math.inf}, r"softcap must be finite and >= 0 .*; got inf"),
@@ -44,13 +45,19 @@ RAW = [
     ({"cu_q": torch.tensor([0, 3, 8])}, "cu_seqlens_q must be a 1-D int32 tensor"),
     ({"cu_k": torch.tensor([0, 8], dtype=torch.int32)}, "same number of sequences"),
     ({"v": torch.randn(7, 2, 8)}, "k and v must agree"),
+    # 0 heads and head dim 0 raised ZeroDivisionError (issue 31)
+    ({"q": torch.randn(8, 0, 8)}, r"q needs at least one head .*got shape \(8, 0, 8\)"),
+    (
+        {"q": torch.randn(8, 4, 0), "k": torch.randn(8, 2, 0), "v": torch.randn(8, 2, 0)},
+        r"q needs at least one head and a head dim >= 1; got shape \(8, 4, 0\)",
+    ),
 ]
 
 
 def _raw_args(change):
     q, k, v, cu_q, cu_k, max_q, max_k = _packed()
     args = dict(q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k, causal=True,
-                scale=0.3, left=-1, right=-1, softcap=0.0)  # fmt: skip
+                left=-1, right=-1, scale=0.3, softcap=0.0)  # fmt: skip
     args.update(change)
     return tuple(args.values())
 
@@ -64,7 +71,7 @@ def test_varlen_refused_alike_by_front_fake_and_op(change, message):
     fakes = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
     with mode, pytest.raises(ValueError, match=message):
         OPS.sdpa_varlen(*fakes)
-    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, left, right, softcap = args
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, left, right, scale, softcap = args
     with pytest.raises(ValueError, match=message):
         varlen_attention(
             q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, softmax_scale=scale,
@@ -74,12 +81,71 @@ def test_varlen_refused_alike_by_front_fake_and_op(change, message):
 
 def test_varlen_backward_refuses_gradients_of_another_shape():
     q, k, v, cu_q, cu_k, max_q, max_k = _packed()
-    out, lse = OPS.sdpa_varlen(q, k, v, cu_q, cu_k, max_q, max_k, True, 0.3, -1, -1, 0.0)
-    rest = (cu_q, cu_k, max_q, max_k, True, 0.3, -1, -1, 0.0)
+    out, lse = OPS.sdpa_varlen(q, k, v, cu_q, cu_k, max_q, max_k, True, -1, -1, 0.3, 0.0)
+    rest = (cu_q, cu_k, max_q, max_k, True, -1, -1, 0.3, 0.0)
     with pytest.raises(ValueError, match=r"dout must have shape \(8, 4, 8\); got \(8, 4, 4\)"):
         OPS.sdpa_varlen_backward(torch.randn(8, 4, 4), q, k, v, out, lse, *rest)
     with pytest.raises(ValueError, match=r"lse must have shape \(4, 8\); got \(8, 4\)"):
         OPS.sdpa_varlen_backward(torch.randn(8, 4, 8), q, k, v, out, lse.T, *rest)
+
+
+def _front(**change):
+    q, k, v, cu_q, cu_k, max_q, max_k = _packed()
+    args = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+                max_seqlen_k=max_k, causal=True)  # fmt: skip
+    return varlen_attention(**(args | change))
+
+
+# issue 31: each raised AttributeError, ZeroDivisionError or an unrelated TypeError before
+FRONT = {
+    "q_none": ({"q": None}, TypeError, "q must be a torch.Tensor, got NoneType"),
+    "k_list": ({"k": [[0.0]]}, TypeError, "k must be a torch.Tensor, got list"),
+    "zero_heads": (
+        {"q": torch.randn(8, 0, 8), "k": torch.randn(8, 0, 8), "v": torch.randn(8, 0, 8)},
+        ValueError,
+        r"q needs at least one head and a head dim >= 1; got shape \(8, 0, 8\)",
+    ),
+    "zero_head_dim": (
+        {"q": torch.randn(8, 4, 0), "k": torch.randn(8, 2, 0), "v": torch.randn(8, 2, 0)},
+        ValueError,
+        r"q needs at least one head and a head dim >= 1; got shape \(8, 4, 0\)",
+    ),
+    "softcap_str": ({"softcap": "1"}, TypeError, "softcap must be a float, got '1'"),
+    "scale_str": ({"softmax_scale": "0.3"}, TypeError, "softmax_scale must be a float"),
+    "window_triple": (
+        {"window_size": (1, 2, 3)},
+        ValueError,
+        r"window_size must be a pair \(left, right\) .*; got \(1, 2, 3\)",
+    ),
+    "window_int": ({"window_size": 4}, ValueError, "window_size must be a pair"),
+    "window_float": ({"window_size": (1.5, 0)}, TypeError, "window_size_left must be an int"),
+    "max_seqlen_str": ({"max_seqlen_q": "5"}, TypeError, "max_seqlen_q must be an int .*'5'"),
+    "causal_int": ({"causal": 1}, TypeError, "causal must be a bool, got 1"),
+    "backend_none": ({"backend": None}, ValueError, "backend=None is not an attention backend"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FRONT))
+def test_front_names_the_bad_argument(case):
+    change, error, message = FRONT[case]
+    with pytest.raises(error, match=message):
+        _front(**change)
+
+
+def test_max_seqlen_none_means_the_packed_length():
+    """prime-rl passes None to FA4's op: no host read, bounded by the packed length."""
+    q, k, v, cu_q, cu_k, max_q, max_k = _packed()
+    explicit = varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal=True)
+    for got in (
+        varlen_attention(q, k, v, cu_q, cu_k, causal=True),
+        varlen_attention(q, k, v, cu_q, cu_k, None, None, causal=True),
+        OPS.sdpa_varlen(q, k, v, cu_q, cu_k, None, None, True, None, None),
+        OPS.sdpa_varlen(q, k, v, cu_q, cu_k, None, 5, True, None, None),
+    ):
+        for a, b in zip(explicit, got, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="longer than max_seqlen 4"):  # an int still bounds
+        varlen_attention(q, k, v, cu_q, cu_k, 4, None, causal=True)
 
 
 def test_a_large_finite_softcap_works():
