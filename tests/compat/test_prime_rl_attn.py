@@ -113,7 +113,8 @@ def _fa4_module(calls: Recorder):
         calls.append(("bwd", dict(kwargs, q=q, k=k, v=v, out=out, dout=dout, lse=lse)))
         how = dict(causal=kwargs["causal"], scale=kwargs["softmax_scale"])
         how.update(left=kwargs["window_size_left"], right=kwargs["window_size_right"])
-        grads = reference_grads(dout, q, k, v, kwargs["cu_seqlens_q"], kwargs["cu_seqlens_k"], **how)
+        cu = (kwargs["cu_seqlens_q"], kwargs["cu_seqlens_k"])
+        grads = reference_grads(dout, q, k, v, *cu, **how)
         return tuple(g.to(q.dtype) for g in grads)
 
     module._flash_attn_fwd, module._flash_attn_bwd = _flash_attn_fwd, _flash_attn_bwd
@@ -136,7 +137,8 @@ def _fa2_module(calls: Recorder):
         calls.append(("bwd", dict(kwargs, q=q, k=k, v=v, dq=dq)))
         how = dict(causal=kwargs["causal"], scale=kwargs["softmax_scale"])
         how.update(left=kwargs["window_size_left"], right=kwargs["window_size_right"])
-        grads = reference_grads(dout, q, k, v, kwargs["cu_seqlens_q"], kwargs["cu_seqlens_k"], **how)
+        cu = (kwargs["cu_seqlens_q"], kwargs["cu_seqlens_k"])
+        grads = reference_grads(dout, q, k, v, *cu, **how)
         for buf, grad in zip((dq, dk, dv), grads, strict=True):
             buf.copy_(grad)
         return None
@@ -161,7 +163,8 @@ def _fa3_ops(calls: Recorder):
         calls.append(("bwd", dict(kwargs, q=q, k=k, v=v)))
         how = dict(causal=kwargs["is_causal"], scale=kwargs["softmax_scale"])
         how.update(left=kwargs["window_size_left"], right=kwargs["window_size_right"])
-        grads = reference_grads(dout, q, k, v, kwargs["cu_seqlens_q"], kwargs["cu_seqlens_k"], **how)
+        cu = (kwargs["cu_seqlens_q"], kwargs["cu_seqlens_k"])
+        grads = reference_grads(dout, q, k, v, *cu, **how)
         for buf, grad in zip((dq, dk, dv), grads, strict=True):
             buf.copy_(grad)
 
