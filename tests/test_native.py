@@ -918,3 +918,36 @@ def test_an_unbuilt_library_says_how_to_build_it(fresh_cache):
     kernel = native._unavailable("moe_permute")
     with pytest.raises(BackendUnavailable, match="not built on this machine.*python -m prime_ops"):
         kernel(torch.zeros(2, 4), torch.zeros(2, 1, dtype=torch.long), 2, 1)
+
+
+@pytest.mark.slow
+def test_a_library_cut_in_place_after_the_load_does_not_crash_the_process(
+    native_library, tmp_path
+):
+    """End to end, in a child process: load a copy of the real build, cut the cached file in
+    place (an outside writer), then run native ops. Before, the process had mapped that file:
+    bus error (SIGBUS) at the first call that touched a page past the cut."""
+    import subprocess
+
+    out = tmp_path / native_library.parent.name
+    out.mkdir()
+    for path in (native_library, native_build._stamp(native_library)):
+        shutil.copy(path, out / path.name)
+    child = """
+import torch
+from prime_ops import native
+from prime_ops.native import build
+
+assert native.is_available(), build.why_not_loaded()
+with open(build._loaded, "r+b") as f:
+    f.truncate(4096)
+x = torch.randn(300, 512)
+q, scale = native.quantize_fp8_blockwise(x, 128, "ue8m0")
+x_sorted, row_map, counts = native.moe_permute(x, torch.randint(0, 4, (300, 2)), 4, 128)
+print(build._loaded, q.shape, int(counts.sum()))
+"""
+    env = {**os.environ, "PRIME_OPS_NATIVE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[0] == str(out / native_library.name)
+    assert done.stdout.split()[-1] == "600" and (out / native_library.name).stat().st_size == 4096
