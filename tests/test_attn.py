@@ -934,6 +934,47 @@ def test_fa4_adapter_exact_call_window_and_backward_order(
         torch.testing.assert_close(ours, ref)
 
 
+def test_views_with_a_contiguous_head_dim_reach_the_kernel_uncopied(monkeypatch):
+    """prime-rl passes ``x.transpose(1, 2)[0]`` views: FlashAttention takes their strides, so
+    the adapter hands over the very tensor; a head dim with another stride is copied once."""
+    recorder = Recorder()
+    _install_fa2(monkeypatch, recorder)
+    monkeypatch.setitem(BACKENDS, "fa2", dataclasses.replace(BACKENDS["fa2"], device_types=None))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(h, 9, 8, generator=gen).bfloat16().transpose(0, 1) for h in (4, 2, 2))
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    out, lse = varlen_attention(q, k, v, cu, cu, causal=True, backend="fa2")
+    call = recorder.only("fwd")
+    assert call["q"] is q and call["k"] is k and call["v"] is v and not q.is_contiguous()
+    dense = varlen_attention(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, causal=True)
+    torch.testing.assert_close((out, lse), dense, rtol=0, atol=0)
+
+    recorder.calls.clear()
+    every_other = torch.randn(9, 4, 16, generator=gen).bfloat16()[..., ::2]  # head dim stride 2
+    out, _ = varlen_attention(every_other, k, v, cu, cu, causal=True, backend="fa2")
+    copied = recorder.only("fwd")["q"]
+    assert copied.is_contiguous() and torch.equal(copied, every_other)
+    dense = varlen_attention(every_other.contiguous(), k, v, cu, cu, causal=True)[0]
+    torch.testing.assert_close(out, dense, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "fa2"])
+def test_transposed_views_give_the_gradients_of_their_copies(backend, monkeypatch):
+    _install_fa2(monkeypatch, Recorder())
+    monkeypatch.setitem(BACKENDS, "fa2", dataclasses.replace(BACKENDS["fa2"], device_types=None))
+    gen = torch.Generator().manual_seed(1)
+    base = [torch.randn(h, 11, 8, generator=gen).bfloat16().requires_grad_() for h in (4, 2, 2)]
+    views = [t.transpose(0, 1) for t in base]
+    copies = [t.detach().transpose(0, 1).contiguous().requires_grad_() for t in base]
+    cu = torch.tensor([0, 6, 11], dtype=torch.int32)
+    dout = torch.randn(11, 4, 8, generator=gen).bfloat16()
+    for q, k, v in (views, copies):
+        out, _ = varlen_attention(q, k, v, cu, cu, causal=True, backend=backend)
+        (out.float() * dout.float()).sum().backward()
+    for b, copy in zip(base, copies, strict=True):
+        torch.testing.assert_close(b.grad.transpose(0, 1), copy.grad, rtol=0, atol=0)
+
+
 @pytest.fixture
 def flash_standins(monkeypatch):
     """The three libraries replaced by their recording stand-ins, and the flash backends allowed

@@ -1,4 +1,4 @@
-"""prime-rl's context-parallel attention op, ``prime_rl_ring::attention``, called as prime-rl calls it.
+"""prime-rl's context-parallel ``prime_rl_ring::attention``, called as prime-rl calls it.
 
 Mirrors prime-rl ``src/prime_rl/trainer/models/layers/ring_attn.py`` (index id 59226315194):
 ``ring_varlen_attention`` calls the op with every argument by keyword, from
