@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 import prime_ops  # noqa: F401  (registers the ops)
 from prime_ops.attn import varlen_attention
-from prime_ops.attn.varlen import BACKENDS
+from prime_ops.attn.varlen import BACKENDS, VarlenArgs
 
 
 def _time(fn, iters: int, sync=lambda: None) -> float:
@@ -68,7 +68,7 @@ def cpu_overhead(iters: int) -> dict:
         varlen_attention(q, k, v, cu, cu, n, n, causal=True, check_cu_seqlens=False)
 
     def kernel():
-        BACKENDS["sdpa"].forward(q, k, v, cu, cu, n, n, True, scale, -1, -1, 0.0)
+        BACKENDS["sdpa"].forward(q, k, v, VarlenArgs(cu, cu, n, n, True, scale, -1, -1, 0.0))
 
     def sdpa_loop():
         for start, end in pairwise(offsets):
