@@ -1,13 +1,15 @@
 """Block-scaled FP8 GEMMs (namespace ``prime_rl``), DeepGEMM on CUDA, a reference kernel on CPU.
 
-``prime_rl::fp8_blockwise_mm(x, weight)`` computes ``x @ weight.T`` after quantizing ``x`` in 1x128
-blocks and ``weight`` in 128x128 blocks to ``torch.float8_e4m3fn`` with fp32 scales (the recipe of
-DeepGEMM's ``fp8_gemm_nt``). ``prime_rl::grouped_fp8_gemm(x, weight, offsets)`` does the same
-per expert over the contiguous grouped layout: rows ``offsets[g-1]:offsets[g]`` of ``x`` use
-``weight[g]``. Both ops take high-precision tensors and quantize inside, so one opaque op is what
-autograd, torch.compile and checkpoint policies see. The backward ops reuse the same two kernels
-(every product is an "NT" GEMM of a 1x128-quantized left and a 128x128-quantized right operand),
-so the CPU kernels define the semantics the GPU path is tested against.
+``prime_rl::fp8_blockwise_mm(x, weight, block_size)`` computes ``x @ weight.T`` after quantizing
+``x`` in 1x128 blocks and ``weight`` in 128x128 blocks to ``torch.float8_e4m3fn`` with fp32 scales
+(the recipe of DeepGEMM's ``fp8_gemm_nt``). ``prime_rl::grouped_fp8_gemm(x, weight, offs)`` is
+``torch._grouped_mm`` in FP8: rows ``offs[g-1]:offs[g]`` of ``x`` times ``weight[g]`` (``[K, N]``).
+Both ops take high-precision tensors and quantize inside, so one opaque op is what autograd,
+torch.compile and checkpoint policies see. Their schemas are prime-rl's (see "the ops" below and
+docs/backends.md#prime-rl-compatibility), prime_ops' extras after them with defaults. The backward
+ops reuse the same two kernels (every product is an "NT" GEMM of a 1x128-quantized left and a
+128x128-quantized right operand), so the CPU kernels define the semantics the GPU path is tested
+against.
 
 Scales are ``amax / 448`` per block, or, with ``ue8m0=True``, that value rounded up to a power of
 two. DeepGEMM on SM100 reads scales as UE8M0 (it keeps only the exponent of an fp32 scale, which
@@ -17,10 +19,13 @@ and later; never on CPU. Pass ``ue8m0=True`` on CPU to get exactly what an SM100
 
 :func:`fp8_gemm_nt` and :func:`grouped_fp8_gemm_nt` multiply tensors that are already quantized;
 :func:`quantize_blockwise` (the one quantizer every op here uses) and :func:`dequantize_blockwise`
-produce and invert that format.
+produce and invert that format. Every entry point checks scale shapes against the data and
+refuses an output dtype it cannot produce exactly.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -32,6 +37,7 @@ from prime_ops.grouped import check_offsets_meta, check_offsets_values
 __all__ = [
     "BLOCK",
     "FP8_DTYPE",
+    "accumulate_wgrad_fp32",
     "dequantize_blockwise",
     "fp8_blockwise_mm",
     "fp8_gemm_nt",
@@ -44,6 +50,8 @@ BLOCK = 128
 FP8_DTYPE = torch.float8_e4m3fn
 _FP8_MAX = torch.finfo(FP8_DTYPE).max
 _HIGH_PRECISION = (torch.bfloat16, torch.float16, torch.float32)
+# What a GEMM can write exactly: the fp32 product, or that product rounded once.
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _AMAX_FLOOR = 1e-12  # an all-zero block gets a tiny, finite scale
 BUILD = (
     "DeepGEMM is built from source (nothing on PyPI installs it): git clone --recursive "
@@ -124,9 +132,30 @@ def quantize_blockwise(
 
 
 def dequantize_blockwise(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Invert :func:`quantize_blockwise` to fp32; the block height is read off the scale shape."""
+    """Invert :func:`quantize_blockwise` to fp32; the block height is read off the scale shape.
+
+    ``scale`` must be the 1x128 layout ``[rows, ceil(cols / 128)]`` or the 128x128 layout
+    ``[ceil(rows / 128), ceil(cols / 128)]`` of ``q``; any other shape is refused.
+
+    Example::
+
+        q, scale = quantize_blockwise(torch.randn(4, 256), 1)
+        x = dequantize_blockwise(q, scale)  # [4, 256] fp32, within FP8's rounding of the input
+    """
+    _check_fp8("q", q)
+    if q.dim() != 2:
+        raise ValueError(f"q must be a 2-D FP8 tensor, got shape {tuple(q.shape)}")
     rows, cols = q.shape
-    block_rows = 1 if scale.shape[0] == rows else BLOCK
+    per_row, per_block = (rows, _blocks(cols)), (_blocks(rows), _blocks(cols))
+    if scale.dtype != torch.float32:
+        raise TypeError(f"scale must be float32, got {scale.dtype}")
+    if tuple(scale.shape) not in (per_row, per_block):
+        raise ValueError(
+            f"scale has shape {tuple(scale.shape)} but q {tuple(q.shape)} needs {per_row} (1x128 "
+            f"blocks) or {per_block} (128x128 blocks); pass the scale quantize_blockwise returned "
+            "with q"
+        )
+    block_rows = 1 if tuple(scale.shape) == per_row else BLOCK
     full = scale.repeat_interleave(block_rows, 0).repeat_interleave(BLOCK, 1)
     return q.float() * full[:rows, :cols]
 
@@ -149,6 +178,14 @@ def _check_scale(name: str, scale: torch.Tensor, expected: tuple[int, ...], layo
         raise ValueError(
             f"{name} has shape {tuple(scale.shape)} but {layout} block scaling with block size "
             f"{BLOCK} needs {expected}"
+        )
+
+
+def _check_gemm_out_dtype(out_dtype: torch.dtype) -> None:
+    if out_dtype not in _OUT_DTYPES:
+        raise TypeError(
+            f"out_dtype must be torch.bfloat16, torch.float16 or torch.float32 (the fp32 product, "
+            f"rounded once), got {out_dtype}; cast the result yourself if you need another type"
         )
 
 
@@ -185,6 +222,7 @@ def fp8_gemm_nt(
     dequantizes and multiplies in fp32.
     """
     check_same_device("fp8_gemm_nt", a=a, a_scale=a_scale, b=b, b_scale=b_scale)
+    _check_gemm_out_dtype(out_dtype)
     _check_fp8("a", a)
     _check_fp8("b", b)
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
@@ -221,6 +259,7 @@ def grouped_fp8_gemm_nt(
     check_same_device(
         "grouped_fp8_gemm_nt", a=a, a_scale=a_scale, b=b, b_scale=b_scale, offsets=offsets
     )
+    _check_gemm_out_dtype(out_dtype)
     _check_fp8("a", a)
     _check_fp8("b", b)
     if a.dim() != 2 or b.dim() != 3 or a.shape[1] != b.shape[2]:
@@ -308,6 +347,50 @@ def _padded_layout(offsets: torch.Tensor, rows: int, align: int):
 
 
 # --- the ops ------------------------------------------------------------------------------------
+#
+# Schemas: prime-rl's first (src/prime_rl/trainer/models/layers/fp8_linear.py and
+# fp8_grouped_gemm.py, the newest versions in the search index: fp8_blockwise_mm with wgrad_key,
+# x_fp8 and x_sf, and fp8_grouped_gemm.py's custom ops), then prime_ops' extras with defaults.
+
+_wgrad_accumulators: dict[int, Callable[[], torch.Tensor]] = {}
+
+
+def accumulate_wgrad_fp32(key: int, accumulator: Callable[[], torch.Tensor] | None) -> None:
+    """Add the weight gradient of every ``fp8_blockwise_mm(..., wgrad_key=key)`` into
+    ``accumulator()`` (an fp32 tensor of the weight's shape) instead of returning it.
+
+    prime-rl's ``Float8BlockwiseLinear.accumulate_wgrad_fp32``: the weight then gets no ``.grad``
+    from this op, and a bf16 rounding of each micro-batch's gradient is avoided. ``key`` 0 means
+    "no accumulator"; ``accumulator=None`` removes the key's entry.
+
+    Example::
+
+        buf = torch.zeros(128, 128)
+        accumulate_wgrad_fp32(7, lambda: buf)
+    """
+    if not isinstance(key, int) or isinstance(key, bool) or key == 0:
+        raise ValueError(f"key must be a nonzero int (0 means no accumulator), got {key!r}")
+    if accumulator is None:
+        _wgrad_accumulators.pop(key, None)
+    elif not callable(accumulator):
+        raise TypeError(
+            f"accumulator must be a callable returning the fp32 buffer, got {accumulator!r}"
+        )
+    else:
+        _wgrad_accumulators[key] = accumulator
+
+
+def _accumulator(key: int, weight: torch.Tensor) -> torch.Tensor | None:
+    if key not in _wgrad_accumulators:
+        return None
+    buf = _wgrad_accumulators[key]()
+    if buf.dtype != torch.float32 or buf.shape != weight.shape or buf.device != weight.device:
+        raise ValueError(
+            f"the accumulator of wgrad_key={key} returned {buf.dtype} {tuple(buf.shape)} on "
+            f"{buf.device}; it must return a float32 tensor of the weight's shape "
+            f"{tuple(weight.shape)} on {weight.device}"
+        )
+    return buf
 
 
 def _mm_nt(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, ue8m0: bool) -> torch.Tensor:
@@ -318,8 +401,10 @@ def _mm_nt(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, ue8m0: bool
 
 
 def _grouped_nt(a, b, offsets, out_dtype, ue8m0):
+    """Rows of group ``g`` of ``a`` times ``b[g].T`` (``b [G, N, K]``, any strides)."""
     qa, sa = quantize_blockwise(a, 1, ue8m0=ue8m0)
-    qb, sb = zip(*(quantize_blockwise(w, BLOCK, ue8m0=ue8m0) for w in b), strict=True)
+    pairs = (quantize_blockwise(w.contiguous(), BLOCK, ue8m0=ue8m0) for w in b)
+    qb, sb = zip(*pairs, strict=True)
     return grouped_fp8_gemm_nt(qa, sa, torch.stack(qb), torch.stack(sb), offsets, out_dtype)
 
 
@@ -328,192 +413,298 @@ def _pad_rows(t: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, 0, 0, (-t.shape[0]) % BLOCK))
 
 
-def _check_grad(grad: torch.Tensor, rows: int, cols: int) -> None:
-    _check_high_precision("grad", grad)
-    if tuple(grad.shape) != (rows, cols):
+def _check_block_size(block_size: int) -> None:
+    if block_size != BLOCK:
         raise ValueError(
-            f"grad must have shape [M, N] = [{rows}, {cols}] (the forward output's), got "
-            f"{list(grad.shape)}"
+            f"block_size must be {BLOCK} (the block DeepGEMM's FP8 GEMMs scale by), got "
+            f"{block_size}"
         )
 
 
-def _check_mm(x: torch.Tensor, weight: torch.Tensor) -> None:
-    check_same_device("prime_rl::fp8_blockwise_mm", x=x, weight=weight)
+def _check_out_dtype(out_dtype: torch.dtype | None) -> torch.dtype:
+    """None is prime-rl's output dtype, bf16."""
+    if out_dtype is None:
+        return torch.bfloat16
+    _check_gemm_out_dtype(out_dtype)
+    return out_dtype
+
+
+def _check_mm(x, weight, block_size, x_fp8=None, x_sf=None) -> None:
+    check_same_device("prime_rl::fp8_blockwise_mm", x=x, weight=weight, x_fp8=x_fp8, x_sf=x_sf)
     _check_high_precision("x", x)
     _check_high_precision("weight", weight)
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+    _check_block_size(block_size)
+    if x.dim() < 1 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(
-            f"fp8_blockwise_mm needs x [M, K] and weight [N, K] with the same K, got "
+            f"fp8_blockwise_mm needs x [..., K] and weight [N, K] with the same K, got "
             f"{tuple(x.shape)} and {tuple(weight.shape)}"
         )
-    _check_multiple("x", x.shape[1], "K (in features)")
+    _check_multiple("x", x.shape[-1], "K (in features)")
     _check_multiple("weight", weight.shape[0], "N (out features)")
+    if (x_fp8 is None) != (x_sf is None):
+        raise ValueError(
+            "x_fp8 and x_sf come together (x's FP8 cast and its scales), got only "
+            f"{'x_fp8' if x_sf is None else 'x_sf'}; pass both or neither"
+        )
+    if x_fp8 is not None:
+        tokens, k = x.numel() // x.shape[-1], x.shape[-1]
+        _check_fp8("x_fp8", x_fp8)
+        if x_fp8.numel() != tokens * k:
+            raise ValueError(
+                f"x_fp8 has shape {tuple(x_fp8.shape)} but x is {tuple(x.shape)}: x_fp8 must "
+                "hold x's per-token cast, element for element"
+            )
+        if x_sf.dtype != torch.float32:
+            raise TypeError(f"x_sf must be float32, got {x_sf.dtype}")
+        if x_sf.dim() != 2 or x_sf.shape[0] != _blocks(k) or x_sf.shape[1] < tokens:
+            raise ValueError(
+                f"x_sf has shape {tuple(x_sf.shape)} but x's 1x128 scales stored as prime-rl's "
+                f"producers store them need [K / 128, >= tokens] = [{_blocks(k)}, >= {tokens}]"
+            )
 
 
 @torch.library.custom_op("prime_rl::fp8_blockwise_mm", mutates_args=())
 def _fp8_blockwise_mm(
-    x: torch.Tensor, weight: torch.Tensor, ue8m0: bool | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    block_size: int,
+    wgrad_key: int = 0,
+    x_fp8: torch.Tensor | None = None,
+    x_sf: torch.Tensor | None = None,
+    ue8m0: bool | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    _check_mm(x, weight)
-    return _mm_nt(x, weight, x.dtype, _resolve_ue8m0(ue8m0, x.device))
+    _check_mm(x, weight, block_size, x_fp8, x_sf)
+    out_dtype = _check_out_dtype(out_dtype)
+    ue8m0 = _resolve_ue8m0(ue8m0, x.device)
+    x_2d = x.reshape(-1, x.shape[-1])
+    qw, sw = quantize_blockwise(weight, BLOCK, ue8m0=ue8m0)
+    if x_fp8 is None:
+        qx, sx = quantize_blockwise(x_2d, 1, ue8m0=ue8m0)
+    else:  # the producer's cast: scales [K / 128, >= tokens], read as [tokens, K / 128]
+        qx, sx = x_fp8.reshape(x_2d.shape), x_sf[:, : x_2d.shape[0]].T
+    out = fp8_gemm_nt(qx, sx, qw, sw, out_dtype)
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 @_fp8_blockwise_mm.register_fake
-def _(x, weight, ue8m0=None):
-    _check_mm(x, weight)
-    return x.new_empty(x.shape[0], weight.shape[0])
+def _(x, weight, block_size, wgrad_key=0, x_fp8=None, x_sf=None, ue8m0=None, out_dtype=None):
+    _check_mm(x, weight, block_size, x_fp8, x_sf)
+    return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=_check_out_dtype(out_dtype))
 
 
-def _check_mm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
-    check_same_device("prime_rl::fp8_blockwise_mm_backward", grad=grad, x=x, weight=weight)
-    _check_mm(x, weight)
-    _check_grad(grad, x.shape[0], weight.shape[0])
+def _check_mm_backward(grad_output, x, weight, block_size) -> None:
+    check_same_device(
+        "prime_rl::fp8_blockwise_mm_backward", grad_output=grad_output, x=x, weight=weight
+    )
+    _check_mm(x, weight, block_size)
+    _check_grad(grad_output, (*x.shape[:-1], weight.shape[0]))
+
+
+def _check_grad(grad: torch.Tensor, shape: tuple[int, ...]) -> None:
+    _check_high_precision("grad_output", grad)
+    if tuple(grad.shape) != tuple(shape):
+        raise ValueError(
+            f"grad_output must have the forward output's shape {list(shape)}, got "
+            f"{list(grad.shape)}"
+        )
 
 
 @torch.library.custom_op("prime_rl::fp8_blockwise_mm_backward", mutates_args=())
 def _fp8_blockwise_mm_backward(
-    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, ue8m0: bool | None = None
+    grad_output: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    block_size: int,
+    needs_grad_x: bool,
+    needs_grad_weight: bool,
+    wgrad_key: int = 0,
+    ue8m0: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_mm_backward(grad, x, weight)
+    """With an fp32 accumulator registered for ``wgrad_key`` (:func:`accumulate_wgrad_fp32`),
+    the weight gradient is added into it and the returned weight gradient is empty, as in
+    prime-rl. A gradient not asked for is returned as zeros."""
+    _check_mm_backward(grad_output, x, weight, block_size)
     ue8m0 = _resolve_ue8m0(ue8m0, x.device)
-    grad_x = _mm_nt(grad, weight.T.contiguous(), x.dtype, ue8m0)
-    grad_w = _mm_nt(
-        _pad_rows(grad).T.contiguous(), _pad_rows(x).T.contiguous(), weight.dtype, ue8m0
-    )
+    x_2d = x.reshape(-1, x.shape[-1])
+    grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
+    grad_x = torch.zeros_like(x)
+    grad_w = torch.zeros_like(weight)
+    if needs_grad_x:
+        grad_x = _mm_nt(grad_2d, weight.T.contiguous(), x.dtype, ue8m0).view(x.shape)
+    if needs_grad_weight:
+        accumulator = _accumulator(wgrad_key, weight)
+        lhs, rhs = _pad_rows(grad_2d).T.contiguous(), _pad_rows(x_2d).T.contiguous()
+        if accumulator is None:
+            grad_w = _mm_nt(lhs, rhs, weight.dtype, ue8m0)
+        else:
+            accumulator.add_(_mm_nt(lhs, rhs, torch.float32, ue8m0))
+            grad_w = weight.new_empty(0)
     return grad_x, grad_w
 
 
 @_fp8_blockwise_mm_backward.register_fake
-def _(grad, x, weight, ue8m0=None):
-    _check_mm_backward(grad, x, weight)
-    return torch.empty_like(x), torch.empty_like(weight)
+def _(grad_output, x, weight, block_size, needs_grad_x, needs_grad_weight, wgrad_key=0, ue8m0=None):
+    _check_mm_backward(grad_output, x, weight, block_size)
+    accumulates = needs_grad_weight and wgrad_key in _wgrad_accumulators
+    return torch.empty_like(x), weight.new_empty(0) if accumulates else torch.empty_like(weight)
 
 
 def _mm_setup(ctx, inputs, output):
-    x, weight, ctx.ue8m0 = inputs
+    x, weight, ctx.block_size, ctx.wgrad_key, _, _, ctx.ue8m0, _ = inputs
     ctx.save_for_backward(x, weight)
 
 
-def _mm_backward(ctx, grad):
+def _mm_backward(ctx, grad_output):
     x, weight = ctx.saved_tensors
+    needs_grad_x, needs_grad_weight = ctx.needs_input_grad[:2]
     grad_x, grad_w = torch.ops.prime_rl.fp8_blockwise_mm_backward(
-        grad.contiguous(), x, weight, ctx.ue8m0
+        grad_output.contiguous(),
+        x,
+        weight,
+        ctx.block_size,
+        needs_grad_x,
+        needs_grad_weight,
+        ctx.wgrad_key,
+        ctx.ue8m0,
     )
-    return grad_x, grad_w, None
+    keep_w = needs_grad_weight and ctx.wgrad_key not in _wgrad_accumulators
+    return grad_x if needs_grad_x else None, grad_w if keep_w else None, *[None] * 6
 
 
 _fp8_blockwise_mm.register_autograd(_mm_backward, setup_context=_mm_setup)
 
 
-def _check_grouped(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> None:
-    check_same_device("prime_rl::grouped_fp8_gemm", x=x, weight=weight, offsets=offsets)
+def _check_grouped(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> None:
+    check_same_device("prime_rl::grouped_fp8_gemm", x=x, weight=weight, offs=offs)
     _check_high_precision("x", x)
     _check_high_precision("weight", weight)
-    if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[2]:
+    if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[1]:
         raise ValueError(
-            f"grouped_fp8_gemm needs x [M, K] and weight [G, N, K] with the same K, got "
-            f"{tuple(x.shape)} and {tuple(weight.shape)}"
+            f"grouped_fp8_gemm needs x [M, K] and weight [G, K, N] (torch._grouped_mm's layout) "
+            f"with the same K, got {tuple(x.shape)} and {tuple(weight.shape)}"
         )
     _check_multiple("x", x.shape[1], "K (in features)")
-    _check_multiple("weight", weight.shape[1], "N (out features)")
-    check_offsets_meta(offsets, weight.shape[0])
+    _check_multiple("weight", weight.shape[2], "N (out features)")
+    check_offsets_meta(offs, weight.shape[0], name="offs")
 
 
 @torch.library.custom_op("prime_rl::grouped_fp8_gemm", mutates_args=())
 def _grouped_fp8_gemm(
-    x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, ue8m0: bool | None = None
+    x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, ue8m0: bool | None = None
 ) -> torch.Tensor:
-    _check_grouped(x, weight, offsets)
-    return _grouped_nt(x, weight, offsets, x.dtype, _resolve_ue8m0(ue8m0, x.device))
+    _check_grouped(x, weight, offs)
+    ue8m0 = _resolve_ue8m0(ue8m0, x.device)
+    return _grouped_nt(x, weight.transpose(1, 2), offs, x.dtype, ue8m0)
 
 
 @_grouped_fp8_gemm.register_fake
-def _(x, weight, offsets, ue8m0=None):
-    _check_grouped(x, weight, offsets)
-    return x.new_empty(x.shape[0], weight.shape[1])
+def _(x, weight, offs, ue8m0=None):
+    _check_grouped(x, weight, offs)
+    return x.new_empty(x.shape[0], weight.shape[2])
 
 
-def _check_grouped_backward(grad, x, weight, offsets) -> None:
+def _check_grouped_backward(grad_output, x, weight, offs) -> None:
     check_same_device(
-        "prime_rl::grouped_fp8_gemm_backward", grad=grad, x=x, weight=weight, offsets=offsets
+        "prime_rl::grouped_fp8_gemm_backward",
+        grad_output=grad_output,
+        x=x,
+        weight=weight,
+        offs=offs,
     )
-    _check_grouped(x, weight, offsets)
-    _check_grad(grad, x.shape[0], weight.shape[1])
+    _check_grouped(x, weight, offs)
+    _check_grad(grad_output, (x.shape[0], weight.shape[2]))
 
 
 @torch.library.custom_op("prime_rl::grouped_fp8_gemm_backward", mutates_args=())
 def _grouped_fp8_gemm_backward(
-    grad: torch.Tensor,
+    grad_output: torch.Tensor,
     x: torch.Tensor,
     weight: torch.Tensor,
-    offsets: torch.Tensor,
+    offs: torch.Tensor,
+    needs_grad_x: bool,
+    needs_grad_weight: bool,
     ue8m0: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_grouped_backward(grad, x, weight, offsets)
-    check_offsets_values(offsets, x.shape[0])
+    _check_grouped_backward(grad_output, x, weight, offs)
+    check_offsets_values(offs, x.shape[0], name="offs")
     ue8m0 = _resolve_ue8m0(ue8m0, x.device)
-    grad_x = _grouped_nt(grad, weight.transpose(1, 2), offsets, x.dtype, ue8m0)
-    # dW[g] = grad_g.T @ x_g contracts over each group's rows: one dense NT GEMM per group,
-    # which needs the offsets on the host (one sync per backward on CUDA).
+    grad_x = torch.zeros_like(x)
     grad_w = torch.zeros_like(weight)
-    start = 0
-    for g, end in enumerate(offsets.tolist()):
-        if end > start:
-            lhs = _pad_rows(grad[start:end]).T.contiguous()
-            rhs = _pad_rows(x[start:end]).T.contiguous()
-            grad_w[g] = _mm_nt(lhs, rhs, weight.dtype, ue8m0)
-        start = end
+    if needs_grad_x:  # dX_g = dY_g @ W[g].T: W[g] [K, N] is the NT right operand as it is
+        grad_x = _grouped_nt(grad_output, weight, offs, x.dtype, ue8m0)
+    if needs_grad_weight:
+        # dW[g] = X_g.T @ dY_g contracts over each group's rows: one dense NT GEMM per group,
+        # which needs the offsets on the host (one sync per backward on CUDA).
+        start = 0
+        for g, end in enumerate(offs.tolist()):
+            if end > start:
+                lhs = _pad_rows(x[start:end]).T.contiguous()
+                rhs = _pad_rows(grad_output[start:end]).T.contiguous()
+                grad_w[g] = _mm_nt(lhs, rhs, weight.dtype, ue8m0)
+            start = end
     return grad_x, grad_w
 
 
 @_grouped_fp8_gemm_backward.register_fake
-def _(grad, x, weight, offsets, ue8m0=None):
-    _check_grouped_backward(grad, x, weight, offsets)
+def _(grad_output, x, weight, offs, needs_grad_x, needs_grad_weight, ue8m0=None):
+    _check_grouped_backward(grad_output, x, weight, offs)
     return torch.empty_like(x), torch.empty_like(weight)
 
 
 def _grouped_setup(ctx, inputs, output):
-    x, weight, offsets, ctx.ue8m0 = inputs
-    ctx.save_for_backward(x, weight, offsets)
+    x, weight, offs, ctx.ue8m0 = inputs
+    ctx.save_for_backward(x, weight, offs)
 
 
-def _grouped_backward(ctx, grad):
-    x, weight, offsets = ctx.saved_tensors
+def _grouped_backward(ctx, grad_output):
+    x, weight, offs = ctx.saved_tensors
+    needs_grad_x, needs_grad_weight = ctx.needs_input_grad[:2]
     grad_x, grad_w = torch.ops.prime_rl.grouped_fp8_gemm_backward(
-        grad.contiguous(), x, weight, offsets, ctx.ue8m0
+        grad_output.contiguous(), x, weight, offs, needs_grad_x, needs_grad_weight, ctx.ue8m0
     )
-    return grad_x, grad_w, None, None
+    return grad_x if needs_grad_x else None, grad_w if needs_grad_weight else None, None, None
 
 
 _grouped_fp8_gemm.register_autograd(_grouped_backward, setup_context=_grouped_setup)
 
 
 def fp8_blockwise_mm(
-    x: torch.Tensor, weight: torch.Tensor, *, ue8m0: bool | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    wgrad_key: int = 0,
+    ue8m0: bool | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T`` in block-scaled FP8 (``x [..., K]``, ``weight [N, K]``); autograd-enabled.
 
-    ``ue8m0``: power-of-two scales; None picks what the device needs (see the module docstring).
+    The output is in ``out_dtype``, by default ``x.dtype`` (the op itself, called as prime-rl
+    calls it, returns bf16). ``ue8m0``: power-of-two scales; None picks what the device needs
+    (see the module docstring). ``wgrad_key``: see :func:`accumulate_wgrad_fp32`.
 
     Example::
 
         y = fp8_blockwise_mm(torch.randn(8, 256), torch.randn(384, 256))  # [8, 384], fp32
     """
-    out = torch.ops.prime_rl.fp8_blockwise_mm(x.reshape(-1, x.shape[-1]), weight, ue8m0)
-    return out.view(*x.shape[:-1], weight.shape[0])
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    return torch.ops.prime_rl.fp8_blockwise_mm(
+        x, weight, BLOCK, wgrad_key, None, None, ue8m0, out_dtype
+    )
 
 
 def grouped_fp8_gemm(
-    x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, *, ue8m0: bool | None = None
+    x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, *, ue8m0: bool | None = None
 ) -> torch.Tensor:
-    """Per-group ``x_g @ weight[g].T`` in block-scaled FP8 over the contiguous grouped layout.
+    """Per-group ``x_g @ weight[g]`` in block-scaled FP8: ``torch._grouped_mm``'s contract.
 
-    ``offsets`` is int32 ``[G]``: the cumulative row end of each group (``offsets[-1] == M``), the
-    convention of ``torch._grouped_mm``; segments may have any length.
+    ``x [M, K]``, ``weight [G, K, N]``; ``offs`` is int32 ``[G]``: the cumulative row end of each
+    group (``offs[-1] == M``); segments may have any length. The output is ``[M, N]`` in
+    ``x.dtype``.
 
     Example::
 
-        offsets = torch.tensor([3, 3, 8], dtype=torch.int32)  # rows 0:3 -> 0, 3:8 -> 2
-        z = grouped_fp8_gemm(torch.randn(8, 128), torch.randn(3, 256, 128), offsets)
+        offs = torch.tensor([3, 3, 8], dtype=torch.int32)  # rows 0:3 -> 0, 3:8 -> 2
+        z = grouped_fp8_gemm(torch.randn(8, 128), torch.randn(3, 128, 256), offs)  # [8, 256]
     """
-    return torch.ops.prime_rl.grouped_fp8_gemm(x, weight, offsets, ue8m0)
+    return torch.ops.prime_rl.grouped_fp8_gemm(x, weight, offs, ue8m0)

@@ -13,16 +13,16 @@ from prime_ops._compat import assert_async
 __all__ = ["check_offsets_meta", "check_offsets_values"]
 
 
-def check_offsets_meta(offsets: torch.Tensor, groups: int) -> None:
+def check_offsets_meta(offsets: torch.Tensor, groups: int, *, name: str = "offsets") -> None:
     """Dtype and shape only: safe in fakes, where values are unknown."""
     if offsets.dtype != torch.int32 or offsets.dim() != 1 or offsets.shape[0] != groups:
         raise ValueError(
-            f"offsets must be a 1-D int32 tensor of {groups} cumulative row ends (one per group "
+            f"{name} must be a 1-D int32 tensor of {groups} cumulative row ends (one per group "
             f"of weight), got dtype {offsets.dtype} and shape {tuple(offsets.shape)}"
         )
 
 
-def check_offsets_values(offsets: torch.Tensor, rows: int) -> None:
+def check_offsets_values(offsets: torch.Tensor, rows: int, *, name: str = "offsets") -> None:
     """Offsets must be non-decreasing, non-negative and end at the row count.
 
     Checked on the host for CPU tensors; on CUDA the check is queued on the device
@@ -31,9 +31,9 @@ def check_offsets_values(offsets: torch.Tensor, rows: int) -> None:
     steps = torch.diff(offsets, prepend=offsets.new_zeros(1))
     ok = (steps >= 0).all() & (offsets[-1] == rows)
     if offsets.device.type != "cpu":
-        assert_async(ok, "offsets must be non-decreasing and end at the row count of x")
+        assert_async(ok, f"{name} must be non-decreasing and end at the row count of x")
     elif not bool(ok):
         raise ValueError(
-            f"offsets must be non-decreasing cumulative row ends that finish at the row count "
+            f"{name} must be non-decreasing cumulative row ends that finish at the row count "
             f"of x ({rows}), got {offsets.tolist()}"
         )

@@ -161,9 +161,9 @@ def test_backward_quantizes_each_product(gen, ue8m0):
 def test_opcheck_dense(gen, dtype, ue8m0):
     x = torch.randn(3, 128, generator=gen).to(dtype).requires_grad_()
     w = torch.randn(256, 128, generator=gen).to(dtype).requires_grad_()
-    opcheck(torch.ops.prime_rl.fp8_blockwise_mm.default, (x, w, ue8m0))
-    g = torch.randn(3, 256, generator=gen).to(dtype)
-    args = (g, x.detach(), w.detach(), ue8m0)
+    opcheck(torch.ops.prime_rl.fp8_blockwise_mm.default, (x, w, BLOCK, 0, None, None, ue8m0))
+    g = torch.randn(3, 256, generator=gen).to(torch.bfloat16)
+    args = (g, x.detach(), w.detach(), BLOCK, True, True, 0, ue8m0)
     opcheck(torch.ops.prime_rl.fp8_blockwise_mm_backward.default, args)
 
 
@@ -172,7 +172,7 @@ def test_opcheck_dense(gen, dtype, ue8m0):
 
 def _grouped_case(gen, counts=(3, 0, 5)):
     x = torch.randn(sum(counts), 128, generator=gen, requires_grad=True)
-    w = torch.randn(len(counts), 256, 128, generator=gen, requires_grad=True)
+    w = torch.randn(len(counts), 128, 256, generator=gen, requires_grad=True)  # [G, K, N]
     offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     return x, w, offsets
 
@@ -186,8 +186,8 @@ def test_grouped_against_exact_math(gen):
     for i, end in enumerate(offsets.tolist()):
         rows = slice(start, end)
         if end > start:
-            _assert_product_bound(out[rows].detach(), x.detach()[rows], w.detach()[i])
-            _assert_product_bound(x.grad[rows], g[rows], w.detach()[i].T.contiguous())
+            _assert_product_bound(out[rows].detach(), x.detach()[rows], w.detach()[i].T)
+            _assert_product_bound(x.grad[rows], g[rows], w.detach()[i].contiguous())
         start = end
     assert torch.all(w.grad[1] == 0)  # the empty group gets no gradient
 
@@ -196,7 +196,7 @@ def test_opcheck_grouped(gen):
     x, w, offsets = _grouped_case(gen)
     opcheck(torch.ops.prime_rl.grouped_fp8_gemm.default, (x, w, offsets, None))
     g = torch.randn(8, 256, generator=gen)
-    args = (g, x.detach(), w.detach(), offsets, True)
+    args = (g, x.detach(), w.detach(), offsets, True, True, True)
     opcheck(torch.ops.prime_rl.grouped_fp8_gemm_backward.default, args)
 
 
@@ -206,11 +206,11 @@ def test_opcheck_grouped(gen):
 def test_fakes_on_meta():
     x, w = torch.empty(9, 256, device="meta"), torch.empty(128, 256, device="meta")
     assert fp8.fp8_blockwise_mm(x, w).shape == (9, 128)
-    gw = torch.empty(4, 384, 256, device="meta")
+    gw = torch.empty(4, 256, 384, device="meta")
     offsets = torch.empty(4, dtype=torch.int32, device="meta")
     assert fp8.grouped_fp8_gemm(x, gw, offsets).shape == (9, 384)
     gx, gwg = torch.ops.prime_rl.grouped_fp8_gemm_backward(
-        torch.empty(9, 384, device="meta"), x, gw, offsets
+        torch.empty(9, 384, device="meta"), x, gw, offsets, True, True
     )
     assert gx.shape == x.shape and gwg.shape == gw.shape
 
@@ -223,13 +223,13 @@ def test_fakes_on_fake_cuda_without_deep_gemm(monkeypatch):
         w = torch.empty(128, 256, device="cuda", dtype=torch.bfloat16)
         out = fp8.fp8_blockwise_mm(x, w)
         assert out.shape == (9, 128) and out.device.type == "cuda"
-        gx, gw = torch.ops.prime_rl.fp8_blockwise_mm_backward(out, x, w)
+        gx, gw = torch.ops.prime_rl.fp8_blockwise_mm_backward(out, x, w, BLOCK, True, True)
         assert gx.shape == x.shape and gw.shape == w.shape and gw.device.type == "cuda"
-        ew = torch.empty(2, 128, 256, device="cuda", dtype=torch.bfloat16)
+        ew = torch.empty(2, 256, 128, device="cuda", dtype=torch.bfloat16)
         offsets = torch.empty(2, dtype=torch.int32, device="cuda")
         out = fp8.grouped_fp8_gemm(x, ew, offsets)
         assert out.shape == (9, 128) and out.dtype == torch.bfloat16
-        gx, gw = torch.ops.prime_rl.grouped_fp8_gemm_backward(out, x, ew, offsets)
+        gx, gw = torch.ops.prime_rl.grouped_fp8_gemm_backward(out, x, ew, offsets, True, True)
         assert gx.shape == x.shape and gw.shape == ew.shape
 
 
@@ -372,6 +372,35 @@ def test_quantized_gemm_rejects_bad_dtypes_and_scales():
         fp8.fp8_gemm_nt(a, sa.double(), b, sb)
 
 
+def test_dequantize_checks_the_scale_shape():
+    """Issue 31: any scale shape used to be accepted (off by up to 445)."""
+    q, scale = quantize_blockwise(torch.randn(4, 256), 1)
+    ref = q.float() * scale.repeat_interleave(128, 1)  # one fp32 product per element
+    assert torch.equal(fp8.dequantize_blockwise(q, scale), ref)
+    msg = r"scale has shape \(3, 5\) but q \(4, 256\) needs \(4, 2\) .* or \(1, 2\)"
+    with pytest.raises(ValueError, match=msg):
+        fp8.dequantize_blockwise(q, torch.ones(3, 5))
+    with pytest.raises(TypeError, match="scale must be float32"):
+        fp8.dequantize_blockwise(q, scale.double())
+    with pytest.raises(TypeError, match="q must be torch.float8_e4m3fn"):
+        fp8.dequantize_blockwise(q.float(), scale)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.int32, torch.float64, torch.float8_e4m3fn])
+def test_gemms_refuse_out_dtypes_they_cannot_write_exactly(out_dtype):
+    """Issue 31: out_dtype=torch.int32 used to return a truncated int32 product."""
+    a, sa = quantize_blockwise(torch.ones(4, 128), 1)
+    b, sb = quantize_blockwise(torch.ones(128, 128), BLOCK)
+    msg = f"out_dtype must be torch.bfloat16, torch.float16 or torch.float32 .*got {out_dtype}"
+    with pytest.raises(TypeError, match=msg):
+        fp8.fp8_gemm_nt(a, sa, b, sb, out_dtype=out_dtype)
+    offsets = torch.tensor([4], dtype=torch.int32)
+    with pytest.raises(TypeError, match=msg):
+        fp8.grouped_fp8_gemm_nt(a, sa, b[None], sb[None], offsets, out_dtype)
+    with pytest.raises(TypeError, match=msg):
+        fp8.fp8_blockwise_mm(torch.ones(4, 128), torch.ones(128, 128), out_dtype=out_dtype)
+
+
 def test_ops_reject_bad_inputs():
     x, w = torch.randn(4, 256), torch.randn(128, 256)
     with pytest.raises(TypeError, match="x must be bfloat16, float16 or float32.*fp8_gemm_nt"):
@@ -388,13 +417,13 @@ def test_ops_refuse_mixed_devices():
     x, w = torch.randn(6, 128), torch.randn(3, 128, 128)
     offsets = torch.tensor([2, 4, 6], dtype=torch.int32)
     with pytest.raises(
-        ValueError, match="one device, got x on cpu, weight on cpu, offsets on meta"
+        ValueError, match="one device, got x on cpu, weight on cpu, offs on meta"
     ):
         fp8.grouped_fp8_gemm(x, w, offsets.to("meta"))
     with pytest.raises(ValueError, match="one device, got x on cpu, weight on meta"):
         fp8.fp8_blockwise_mm(x, w[0].to("meta"))
     with pytest.raises(ValueError, match="one device"):
-        torch.ops.prime_rl.grouped_fp8_gemm_backward(x, x, w, offsets.to("meta"))
+        torch.ops.prime_rl.grouped_fp8_gemm_backward(x, x, w, offsets.to("meta"), True, True)
 
 
 @pytest.mark.parametrize(

@@ -47,7 +47,7 @@ def test_deep_gemm_grouped_matches_cpu_reference():
     gen = torch.Generator().manual_seed(0)
     counts = (3, 0, 261)  # any lengths: the adapter pads each group to DeepGEMM's 128 rows
     x = torch.randn(sum(counts), 256, generator=gen).bfloat16().requires_grad_()
-    w = torch.randn(3, 128, 256, generator=gen).bfloat16().requires_grad_()
+    w = torch.randn(3, 256, 128, generator=gen).bfloat16().requires_grad_()  # [G, K, N]
     offsets = torch.tensor(counts).cumsum(0).int()
     xc, wc = (t.detach().cuda().requires_grad_() for t in (x, w))
     g = torch.randn(sum(counts), 128, generator=gen).bfloat16()
