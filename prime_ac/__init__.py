@@ -8,7 +8,7 @@ replay. prime_ac imports torch only: it knows operators by name, never by import
 from importlib.metadata import distributions as _distributions
 
 from prime_ac.audit import AuditReport, audit
-from prime_ac.blocks import find_blocks, unwrap_blocks
+from prime_ac.blocks import find_blocks, is_checkpointed, unwrap_blocks
 from prime_ac.checkpoint import checkpoint_blocks
 from prime_ac.config import ACConfig
 from prime_ac.contexts import context_fn
@@ -35,6 +35,7 @@ __all__ = [
     "checkpoint_blocks",
     "context_fn",
     "find_blocks",
+    "is_checkpointed",
     "make_policy",
     "tag",
     "unwrap_blocks",

@@ -20,6 +20,7 @@ import dataclasses
 import inspect
 import logging
 import re
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -43,6 +44,7 @@ __all__ = [
     "checkpoint_state",
     "checkpointing_disabled",
     "find_blocks",
+    "is_checkpointed",
     "unwrap_block",
     "unwrap_blocks",
     "wrap_block",
@@ -119,6 +121,11 @@ class _Region:
     - Per-layer state passed as a cache argument (lists, tuples or dicts of tensors: xLSTM-,
       RWKV-style recurrent states) is copied before the forward; the recompute reads and writes
       that copy, never the state the model has moved on since.
+    - Other list and dict arguments the forward changes in place (diffusers' Wan VAE passes
+      ``feat_cache`` and ``feat_idx`` lists that each block reads, replaces entries of and
+      advances): their contents (each element by reference, nested lists and dicts too) are
+      remembered before the forward; the recompute runs with the contents the forward started
+      from, and the containers get back what they held when the recompute began.
 
     Copies live from the forward (state) or the start of the recompute (buffers) until the
     recompute ends; docs/checkpointing.md, "Module state", gives what they cost.
@@ -141,12 +148,25 @@ class _Region:
         self.moved: list[tuple[dict, str, Any, Any]] = []
         self.copies = copies
         self.recomputing = False
+        self.changed: list[tuple[Any, Any]] = []  # (argument container, contents before)
 
     def __call__(self, forward: Callable[..., Any], kwargs: dict, *args: Any) -> Any:
-        if self.recomputing and self.copies:
-            args = tuple(self.copies.get(i, a) for i, a in enumerate(args))
-            kwargs = {k: self.copies.get(k, v) for k, v in kwargs.items()}
-        return forward(*args, **kwargs)
+        if self.recomputing:
+            if self.copies:
+                args = tuple(self.copies.get(i, a) for i, a in enumerate(args))
+                kwargs = {k: self.copies.get(k, v) for k, v in kwargs.items()}
+            return forward(*args, **kwargs)
+        containers = [
+            value
+            for key, value in (*enumerate(args), *kwargs.items())
+            if isinstance(value, (list, dict)) and key not in self.copies
+        ]
+        before = [_contents(c) for c in containers]
+        out = forward(*args, **kwargs)
+        self.changed = [
+            (c, b) for c, b in zip(containers, before, strict=True) if not _same(_contents(c), b)
+        ]
+        return out
 
     def forward_done(self) -> None:
         self.updated = [
@@ -175,6 +195,9 @@ class _Region:
             saved = [b.clone() for b in self.updated]
         for where, key, before, _ in self.moved:
             where[key] = before
+        now = [_contents(c) for c, _ in self.changed]
+        for container, before in self.changed:
+            _restore(container, before)
         self.recomputing = True
         try:
             with inner:
@@ -183,9 +206,59 @@ class _Region:
             self.recomputing = False
             for where, key, _, after in self.moved:
                 where[key] = after
+            for (container, _), contents in zip(self.changed, now, strict=True):
+                _restore(container, contents)
             with torch.no_grad():
                 for buffer, value in zip(self.updated, saved, strict=True):
                     buffer.copy_(value)
+
+
+class _Nested:
+    """A list or dict inside an argument's contents, with its own contents."""
+
+    __slots__ = ("container", "contents")
+
+    def __init__(self, container: Any) -> None:
+        self.container, self.contents = container, _contents(container)
+
+
+def _contents(value: list | dict) -> list | dict:
+    """What a list or dict holds, each element by reference and nested lists and dicts as
+    :class:`_Nested`: enough to tell a change in place and to undo it."""
+    if isinstance(value, list):
+        return [_Nested(v) if isinstance(v, (list, dict)) else v for v in value]
+    return {k: _Nested(v) if isinstance(v, (list, dict)) else v for k, v in value.items()}
+
+
+def _same(a: list | dict, b: list | dict) -> bool:
+    if type(a) is not type(b) or len(a) != len(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_element(a[k], b[k]) for k in a)
+    return all(_same_element(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _same_element(a: Any, b: Any) -> bool:
+    if isinstance(a, _Nested) and isinstance(b, _Nested):
+        return a.container is b.container and _same(a.contents, b.contents)
+    return a is b
+
+
+def _restore(container: list | dict, contents: list | dict) -> None:
+    """Put ``contents`` (from :func:`_contents`) back into ``container``, in place."""
+    values = contents if isinstance(contents, list) else contents.values()
+    for value in values:
+        if isinstance(value, _Nested):
+            _restore(value.container, value.contents)
+
+    def plain(v: Any) -> Any:
+        return v.container if isinstance(v, _Nested) else v
+
+    if isinstance(container, list):
+        container[:] = [plain(v) for v in contents]
+    else:
+        container.clear()
+        container.update({k: plain(v) for k, v in contents.items()})
 
 
 def _tree(module: nn.Module, out: list[nn.Module]) -> list[nn.Module]:
@@ -410,6 +483,29 @@ def checkpoint_state(module: nn.Module) -> BlockCheckpoint | None:
     """The settings of a block that prime_ac checkpoints, or None if it is not checkpointed."""
     state = getattr(module, _STATE, None) if isinstance(module, _CheckpointedBlock) else None
     return state if state is not None and state.active else None
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether ``module`` runs as a checkpointed block: one prime_ac checkpoints (and has not
+    stood down after a first step that held at least what no AC holds), or torch's
+    ``CheckpointWrapper``.
+
+    The question trainers ask with ``isinstance(module, CheckpointWrapper)`` (FastVideo does),
+    which a prime_ac block answers False: it keeps its class's name and its state-dict keys.
+
+    Example::
+
+        prime_ac.checkpoint_blocks(model)
+        assert all(prime_ac.is_checkpointed(block) for block in model.layers)
+    """
+    state = checkpoint_state(module)
+    if state is not None:
+        return not state.bypassed
+    wrapper = sys.modules.get(_CHECKPOINT_WRAPPER)  # never imported: no module can be one
+    return wrapper is not None and isinstance(module, wrapper.CheckpointWrapper)
+
+
+_CHECKPOINT_WRAPPER = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
 
 
 def wrapped_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:

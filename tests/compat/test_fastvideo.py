@@ -1,0 +1,313 @@
+"""FastVideo's ops-mode checks, run with prime_ac and FastVideo's current list.
+
+Each test mirrors one of FastVideo main's tests/train/utils/test_activation_checkpoint.py (the
+policy in fastvideo/train/utils/activation_checkpoint.py @ 1728326dd9d8): the expensive-op call
+counts per mode, bitwise outputs and gradients, one wrapper per block and none at the root. Its
+toy transformer is rebuilt here, and its Wan DiT is diffusers' WanTransformer3DModel, tiny
+(FastVideo itself does not install beside a CPU torch). The references are the unwrapped model
+and FastVideo's own wrapping, torch's CheckpointWrapper with torch's SAC.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointWrapper,
+    checkpoint_wrapper,
+)
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+import prime_ac
+from prime_ac.integrations.fastvideo import FASTVIDEO_OP_LIST, targets_from_op_list
+from prime_ac.measure import track_step
+
+_CALLS = Counter()
+
+
+@torch.library.custom_op("prime_ac_fastvideo_compat::expensive_op", mutates_args=())
+def _expensive_op(value: torch.Tensor) -> torch.Tensor:
+    _CALLS["expensive"] += 1
+    return torch.sin(value)
+
+
+@_expensive_op.register_fake
+def _(value):
+    return torch.empty_like(value)
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _backward(ctx, grad):
+    (value,) = ctx.saved_tensors
+    return grad * torch.cos(value)
+
+
+_expensive_op.register_autograd(_backward, setup_context=_setup)
+EXPENSIVE = "prime_ac_fastvideo_compat::expensive_op"
+
+
+class ToyBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.projection = nn.Linear(4, 4)
+
+    def forward(self, value):
+        return value + _expensive_op(self.projection(value))
+
+
+class ToyTransformer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([ToyBlock() for _ in range(4)])
+
+    def forward(self, value):
+        for block in self.blocks:
+            value = block(value)
+        return value
+
+
+def fastvideo_ops(model: nn.Module, names: set[str]) -> None:
+    """FastVideo's ``ops`` mode as it wraps each block (an independent reference)."""
+
+    def context_fn():
+        def policy(ctx, func, *args, **kwargs):
+            save = func.name() in names
+            return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    for name, block in list(model.blocks.named_children()):
+        model.blocks.register_module(
+            name, checkpoint_wrapper(block, context_fn=context_fn, preserve_rng_state=False)
+        )
+
+
+def run_toy(apply) -> tuple[int, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    torch.manual_seed(17)
+    model = ToyTransformer().to(torch.float64)
+    if apply is not None:
+        apply(model)
+    value = torch.linspace(-0.5, 0.5, 12, dtype=torch.float64).reshape(3, 4).requires_grad_()
+    _CALLS.clear()
+    output = model(value)
+    output.square().mean().backward()
+    grads = {
+        n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in model.named_parameters()
+    }
+    return _CALLS["expensive"], output.detach(), value.grad, grads
+
+
+def prime_ac_ops(retained: bool):
+    targets = targets_from_op_list([*FASTVIDEO_OP_LIST, *([EXPENSIVE] if retained else [])])
+    return lambda m: prime_ac.checkpoint_blocks(
+        m, mode="selective", targets=targets, preserve_rng_state=False
+    )
+
+
+@pytest.mark.parametrize(
+    ("label", "apply", "calls"),
+    [
+        ("no AC", None, 4),
+        ("full", lambda m: prime_ac.checkpoint_blocks(m, mode="full"), 8),
+        ("ops, the op listed", prime_ac_ops(True), 4),
+        ("ops, the op not listed", prime_ac_ops(False), 8),
+    ],
+)
+def test_checkpoint_policy_controls_expensive_op_recomputation(label, apply, calls):
+    # mirrors test_checkpoint_policy_controls_expensive_op_recomputation
+    assert run_toy(apply)[0] == calls, label
+
+
+def test_checkpoint_modes_preserve_outputs_and_gradients():
+    # mirrors test_checkpoint_modes_preserve_outputs_and_gradients (rtol=0, atol=0), with
+    # FastVideo's own ops wrapping beside prime_ac's
+    names = set(FASTVIDEO_OP_LIST) | {EXPENSIVE}
+    baseline = run_toy(None)
+    for label, apply in [
+        ("full", lambda m: prime_ac.checkpoint_blocks(m, mode="full")),
+        ("ops", prime_ac_ops(True)),
+        ("FastVideo's ops", lambda m: fastvideo_ops(m, names)),
+    ]:
+        _, output, input_grad, grads = run_toy(apply)
+        assert torch.equal(output, baseline[1]) and torch.equal(input_grad, baseline[2]), label
+        assert grads.keys() == baseline[3].keys(), label
+        assert all(torch.equal(grads[n], g) for n, g in baseline[3].items()), label
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_checkpointing_wraps_each_block_not_transformer_root(mode):
+    # mirrors test_checkpointing_wraps_each_block_not_transformer_root: FastVideo asks
+    # isinstance(block, CheckpointWrapper); a prime_ac block answers prime_ac.is_checkpointed
+    model = ToyTransformer()
+    keys = list(model.state_dict())
+    wrapped = prime_ac.checkpoint_blocks(model, mode=mode, targets=None)
+    assert wrapped == [f"blocks.{i}" for i in range(4)]
+    assert not prime_ac.is_checkpointed(model)
+    assert all(prime_ac.is_checkpointed(block) for block in model.blocks)
+    assert not any(isinstance(block, CheckpointWrapper) for block in model.blocks)
+    # FastVideo strips "_checkpoint_wrapped_module." from EMA keys: with prime_ac there is none
+    assert list(model.state_dict()) == keys
+    assert not any("_checkpoint_wrapped_module" in k for k in model.state_dict())
+
+
+def test_checkpointing_rejects_transformers_without_known_block_lists():
+    # mirrors the test of the same name: nothing to wrap is an error, not a silent no-op
+    with pytest.raises(ValueError, match="found no stack of blocks"):
+        prime_ac.checkpoint_blocks(nn.Linear(4, 4), mode="selective")
+
+
+def test_the_current_list_is_fastvideos_main():
+    # FastVideo main's names: the three SDPA kernels, six fastvideo:: and three
+    # fastvideo_kernel:: attention ops; no matmul, no collective (its comment: keeping FSDP's
+    # parameter all-gather would hold every block's unsharded weights)
+    assert len(FASTVIDEO_OP_LIST) == 12 and len(set(FASTVIDEO_OP_LIST)) == 12
+    assert {n.split("::")[0] for n in FASTVIDEO_OP_LIST} == {
+        "aten",
+        "fastvideo",
+        "fastvideo_kernel",
+    }
+    assert not [n for n in FASTVIDEO_OP_LIST if "mm" in n or "_c10d" in n]
+    assert {
+        "fastvideo_kernel::block_sparse_attn_sm90",
+        "fastvideo_kernel::block_sparse_attn_sm100a",
+        "fastvideo_kernel::block_sparse_attn_triton",
+    } <= set(FASTVIDEO_OP_LIST)
+
+
+# --- the same checks on a Wan DiT ---------------------------------------------------------------
+
+pytest.importorskip("diffusers")
+
+_SDPA = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+}
+
+
+class CountAttention(TorchDispatchMode):
+    """Counts SDPA kernel runs. Entered outside the checkpoint regions, it sees only the calls a
+    region's mode passes on: a kept result handed back never reaches it."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func in _SDPA
+        return func(*args, **(kwargs or {}))
+
+
+def wan() -> nn.Module:
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=4,
+        text_dim=32,
+        freq_dim=32,
+        ffn_dim=64,
+        num_layers=2,
+        rope_max_seq_len=32,
+    ).train()
+
+
+def wan_loss(model: nn.Module) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    out = model(
+        hidden_states=torch.randn(2, 4, 2, 8, 8, generator=g),
+        timestep=torch.tensor([10, 500]),
+        encoder_hidden_states=torch.randn(2, 8, 32, generator=g),
+        return_dict=False,
+    )[0]
+    return out.square().mean()
+
+
+def wan_with(apply) -> nn.Module:
+    model = wan()
+    if apply is not None:
+        apply(model)
+    return model
+
+
+def wan_step(apply) -> tuple[int, dict[str, torch.Tensor], int]:
+    """SDPA kernel runs in one step, the gradients, and the bytes held for backward."""
+    model = wan_with(apply)
+    counter = CountAttention()
+    with counter:
+        wan_loss(model).backward()
+    grads = {
+        n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in model.named_parameters()
+    }
+    return counter.calls, grads, held(apply)
+
+
+def held(apply) -> int:
+    return track_step(wan_with(apply), wan_loss)[0]
+
+
+@pytest.mark.slow
+def test_on_a_wan_dit_the_current_list_keeps_attention_bitwise():
+    current = targets_from_op_list(FASTVIDEO_OP_LIST)
+    runs = {
+        "no AC": wan_step(None),
+        "full": wan_step(lambda m: prime_ac.checkpoint_blocks(m, mode="full")),
+        "ops": wan_step(
+            lambda m: prime_ac.checkpoint_blocks(
+                m, mode="selective", targets=current, preserve_rng_state=False
+            )
+        ),
+        "FastVideo's ops": wan_step(lambda m: fastvideo_ops(m, set(FASTVIDEO_OP_LIST))),
+    }
+    calls = {label: r[0] for label, r in runs.items()}
+    # two blocks, self- and cross-attention each: 4 kernel runs a forward
+    assert calls == {"no AC": 4, "full": 8, "ops": 4, "FastVideo's ops": 8}
+    # FastVideo's policy as written names the CUDA kernels only: on a CPU it keeps nothing,
+    # while the recipe's list names the CPU kernel beside them
+    reference = runs["no AC"][1]
+    for label, (_, grads, _) in runs.items():
+        assert grads.keys() == reference.keys(), label
+        assert all(torch.equal(grads[n], g) for n, g in reference.items()), label
+    held = {label: r[2] for label, r in runs.items()}
+    assert held["full"] < held["ops"] < held["no AC"]
+
+
+def test_on_a_wan_dit_the_older_list_holds_more_than_the_current_one():
+    # FastVideo 0.2.x kept aten::mm and reduce_scatter; its fix dropped the matmuls
+    older = [
+        "aten::mm.default",
+        "aten::_scaled_dot_product_efficient_attention.default",
+        "aten::_scaled_dot_product_flash_attention.default",
+        "_c10d_functional::reduce_scatter_tensor.default",
+    ]
+    kept = {
+        label: held(
+            lambda m, t=targets_from_op_list(names): prime_ac.checkpoint_blocks(
+                m, mode="selective", targets=t
+            )
+        )
+        for label, names in [("older", older), ("current", FASTVIDEO_OP_LIST)]
+    }
+    assert kept["older"] > 2 * kept["current"]
+
+
+def test_a_wan_dit_keeps_its_state_dict_keys_and_answers_is_checkpointed():
+    model = wan()
+    keys = list(model.state_dict())
+    targets = targets_from_op_list(FASTVIDEO_OP_LIST)
+    wrapped = prime_ac.checkpoint_blocks(model, mode="selective", targets=targets)
+    assert wrapped == ["blocks.0", "blocks.1"]
+    assert list(model.state_dict()) == keys
+    assert [prime_ac.is_checkpointed(b) for b in model.blocks] == [True, True]
+    assert not prime_ac.is_checkpointed(model)
