@@ -2,24 +2,30 @@
 
 A transformers model has checkpointing of its own (``activation_checkpointing_enable()``, the
 ``gradient_checkpointing=True`` of ``TrainingArguments``, on by default in TRL's ``SFTConfig``).
-Under prime_ac it would checkpoint each block a second time, inside prime_ac's region: every
-operator replays twice. :func:`checkpoint_hf_model` turns it off, turns the KV cache off for
-training and then checkpoints the blocks; :data:`PrimeACCallback` does the same inside a
-``Trainer`` at ``on_train_begin``, which runs after the trainer has turned its own
-checkpointing on, so that cannot come back.
+Under prime_ac it would checkpoint each block a second time (transformers 4.x nests its region
+around prime_ac's: every operator replays twice; 5.x stands down while its flag stays on, and
+prime_ac's audit would measure its checkpointing as no AC). :func:`checkpoint_hf_model` turns it
+off, turns the KV cache off for training and then checkpoints the blocks; when something turns
+it on afterwards (a ``Trainer``'s ``train()``), the model's next forward turns it off again,
+saying so. :data:`PrimeACCallback` does the same inside a ``Trainer`` at ``on_train_begin``.
 
 transformers is imported only when ``PrimeACCallback`` is first looked up.
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
+import inspect
 import logging
+import weakref
+from dataclasses import fields
 from typing import Any
 
+import torch
 from torch import nn
 
-from prime_ac import checkpoint_blocks
+from prime_ac import ACConfig, checkpoint_blocks
 
 __all__ = ["PrimeACCallback", "checkpoint_hf_model", "hf_checkpointing_off"]  # noqa: F822 (module __getattr__)
 
@@ -56,6 +62,9 @@ def checkpoint_hf_model(model: nn.Module, **checkpoint_blocks_kwargs: Any) -> li
     Turns the model's own checkpointing off first (logged when it was on), sets
     ``model.config.use_cache = False`` (a training forward needs no KV cache), then wraps the
     blocks; keyword arguments go to ``checkpoint_blocks``. Returns the wrapped blocks' names.
+    Hugging Face checkpointing turned on later (a ``Trainer`` does so in ``train()`` for
+    ``gradient_checkpointing=True``, TRL's default) is turned off again by the model's next
+    forward, with a warning, for as long as prime_ac checkpoints these blocks.
 
     Example::
 
@@ -75,7 +84,74 @@ def checkpoint_hf_model(model: nn.Module, **checkpoint_blocks_kwargs: Any) -> li
     config = getattr(model, "config", None)
     if getattr(config, "use_cache", False):
         config.use_cache = False
-    return checkpoint_blocks(model, **checkpoint_blocks_kwargs)
+    blocks = checkpoint_blocks(model, **checkpoint_blocks_kwargs)
+    _keep_hf_checkpointing_off(model, blocks)
+    return blocks
+
+
+# the forward pre-hook of each model checkpoint_hf_model wrapped, replaced when it runs again
+_guards: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def _keep_hf_checkpointing_off(model: nn.Module, blocks: list[str]) -> None:
+    """Before each forward, while ``blocks`` are still prime_ac's (their class unchanged since
+    wrapping), turn Hugging Face checkpointing off if something turned it on: a flag read per
+    module that has one, nothing more, unless it is on."""
+    previous = _guards.pop(model, None)
+    if previous is not None:
+        previous.remove()
+    if not blocks:
+        return
+    wrapped = [(block, type(block)) for block in map(model.get_submodule, blocks)]
+    flagged = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
+
+    def turn_off_again(module: nn.Module, args: Any) -> None:
+        if any(m.gradient_checkpointing is True for m in flagged) and all(
+            type(block) is cls for block, cls in wrapped
+        ):
+            _turned_off_again(model)
+
+    _guards[model] = model.register_forward_pre_hook(turn_off_again)
+
+
+@torch.compiler.disable  # a one-time change of module flags, outside any compiled graph
+def _turned_off_again(model: nn.Module) -> None:
+    if hf_checkpointing_off(model):
+        logger.warning(
+            "prime_ac: Hugging Face activation checkpointing was turned on after "
+            "checkpoint_hf_model (a Trainer does so in train() for gradient_checkpointing=True, "
+            "TRL's SFTConfig default), which checkpoints the blocks a second time; turned it off "
+            "again. Set gradient_checkpointing=False in the training arguments to skip this."
+        )
+
+
+def _checked(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``checkpoint_blocks``' keyword arguments, checked now: a misspelt name or a bad setting
+    raises where the callback is built, not when training begins."""
+    parameters = inspect.signature(checkpoint_blocks).parameters
+    for name in kwargs:
+        if name not in parameters or name == "model":
+            close = difflib.get_close_matches(name, list(parameters), n=1)
+            raise TypeError(
+                f"PrimeACCallback({name}=...): checkpoint_blocks has no argument {name!r}"
+                + (f" (did you mean {close[0]!r}?)" if close else "")
+                + f"; it takes {sorted(set(parameters) - {'model'})}"
+            )
+    config = kwargs.get("config")
+    settings = {
+        f.name: kwargs[f.name]
+        for f in fields(ACConfig)
+        if f.name in parameters and kwargs.get(f.name) is not None
+    }
+    if config is None:
+        ACConfig(**settings)  # raises, naming the bad value, as checkpoint_blocks would
+    elif not isinstance(config, ACConfig):
+        raise TypeError(f"PrimeACCallback(config=...) takes a prime_ac.ACConfig, got {config!r}")
+    elif settings:
+        raise ValueError(
+            f"PrimeACCallback: pass {sorted(settings)} either as arguments or in config=, not both"
+        )
+    return kwargs
 
 
 @functools.cache  # one class, built on first lookup: it subclasses transformers'
@@ -99,7 +175,7 @@ def _callback_class() -> type:
         """
 
         def __init__(self, **checkpoint_blocks_kwargs: Any) -> None:
-            self.kwargs = checkpoint_blocks_kwargs
+            self.kwargs = _checked(checkpoint_blocks_kwargs)
             self.blocks: list[str] = []
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):

@@ -37,6 +37,7 @@ from torch import nn
 
 from prime_ac import ACConfig, audit, checkpoint_blocks, find_blocks, unwrap_blocks
 from prime_ac._compat import TorchDispatchMode
+from prime_ac.tables import register_table_reader, supplied
 
 __all__ = ["SAVE_TARGETS", "apply_ac", "config_from_table", "is_torchtitan_table", "save_targets"]
 
@@ -101,7 +102,15 @@ _KEYS = {
     "selective_ac_option",
     "per_op_sac_force_recompute_mm_shapes_by_fqns",
 }
-_TABLE_ONLY = _KEYS - {"mode", "preserve_rng_state", "determinism_check", "early_stop"}
+# Keys that only some modes read, with their default (in the release that has the key): a
+# table dumped from a config object holds every key, and torchtitan ignores the others' defaults
+_READ_BY = {
+    "force_recompute_mm_shapes_by_fqns": ("selective", ["moe.router.gate"]),
+    "per_op_sac_force_recompute_mm_shapes_by_fqns": ("selective", ["moe.router.gate"]),
+    "selective_ac_option": ("selective", "2"),
+    "memory_budget": ("memory_budget", 0.5),
+    "visualize_memory_budget_pareto": ("memory_budget", False),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +119,7 @@ class _Settings:
 
     kind: str  # "full", "selective", "memory_budget" or "none"
     freq: int = 1  # pre-0.3 layer-selective AC: every freq-th block, fully
-    save: tuple[str, ...] = SAVE_TARGETS
+    save: tuple[str, ...] = supplied(SAVE_TARGETS)  # what the user's own list adds is not
     force_fqns: tuple[str, ...] = ("moe.router.gate",)
     memory_budget: float = 0.5
     preserve_rng_state: bool = True
@@ -132,12 +141,15 @@ def save_targets(save_ops: Any) -> tuple[str, ...]:
         from torchtitan.distributed.activation_checkpoint import SelectiveAC
         save_targets(SelectiveAC(SelectiveAC.Config()).get_save_ops())
     """
-    names: set[str] = set(_ADDED)
+    return tuple(sorted((_translated(save_ops) | set(_ADDED)) - {_MM}))
+
+
+def _translated(save_ops: Any) -> set[str]:
+    names: set[str] = set()
     for op in save_ops:
         name = _target(op)
         names.update(_TRANSLATED.get(name, (name,)))
-    names.discard(_MM)
-    return tuple(sorted(names))
+    return names
 
 
 def _target(op: Any) -> str:
@@ -149,9 +161,12 @@ def _target(op: Any) -> str:
 
 
 def is_torchtitan_table(table: Mapping[str, Any]) -> bool:
-    """Whether ``table`` uses a key or mode only torchtitan's AC settings have
-    (:meth:`prime_ac.ACConfig.from_dict` then reads it with :func:`config_from_table`)."""
-    return bool(_TABLE_ONLY & set(table)) or table.get("mode") in ("none", *_MEMORY_BUDGET)
+    """Whether ``table`` has a key or mode of torchtitan's AC settings that prime_ac's own table
+    lacks (``debug``, ``memory_budget``, ``mode = "memory_budget"``, ...), as every
+    ``dataclasses.asdict`` of a 0.3.0 config has: :meth:`prime_ac.ACConfig.from_dict` then
+    reads it with :func:`config_from_table`."""
+    own = {f.name for f in dataclasses.fields(ACConfig)}
+    return bool((_KEYS - own) & set(table)) or table.get("mode") in ("none", *_MEMORY_BUDGET)
 
 
 def config_from_table(table: Mapping[str, Any]) -> ACConfig:
@@ -160,10 +175,15 @@ def config_from_table(table: Mapping[str, Any]) -> ACConfig:
     Accepts torchtitan 0.3.0's keys (``mode`` ``"full"`` / ``"selective"`` /
     ``"memory_budget"``, ``force_recompute_mm_shapes_by_fqns``, ``memory_budget``, ...) and the
     pre-0.3 ones (``selective_ac_option = "op"``, or a number k: every k-th block, fully, i.e.
-    ``freq=k``). A table holds no model, so two rules become their nearest config: selective
-    keeps every mm (torchtitan replays every second one: :func:`apply_ac` with ``profile=``
-    does that), and ``memory_budget=b`` becomes ``budget=b``, a fraction of no AC's memory
-    (torchtitan's 0 is full AC's memory, so prime_ac holds at most what torchtitan would).
+    ``freq=k``). A table without ``mode`` (``dataclasses.asdict`` of a 0.3.0 config) is the
+    config whose keys it has: ``memory_budget`` MemoryBudgetAC's, ``force_recompute_...``
+    SelectiveAC's, neither FullAC's. A key its mode does not read raises unless it holds its
+    default (torchtitan would ignore it). A table holds no model, so two rules become their
+    nearest config: selective keeps every mm (torchtitan replays every second one:
+    :func:`apply_ac` with ``profile=`` does that), and ``memory_budget=b`` becomes ``budget=b``,
+    a fraction of no AC's memory (torchtitan's 0 is full AC's memory, so prime_ac holds at most
+    what torchtitan would). The targets it supplies are marked
+    :func:`prime_ac.tables.supplied`: never reported as matching nothing.
 
     Example::
 
@@ -175,7 +195,7 @@ def config_from_table(table: Mapping[str, Any]) -> ACConfig:
             "mode='none' turns activation checkpointing off, which no ACConfig states: skip "
             "checkpoint_blocks (or call prime_ac.unwrap_blocks(model))"
         )
-    if not settings.preserve_rng_state:
+    if not settings.preserve_rng_state and "preserve_rng_state" not in _extra_fields(settings):
         raise ValueError(
             "preserve_rng_state=False is an argument of checkpoint_blocks, not an ACConfig "
             "field: drop it from the table and pass checkpoint_blocks(..., "
@@ -191,7 +211,9 @@ def config_from_table(table: Mapping[str, Any]) -> ACConfig:
             budget=float(settings.memory_budget),
             **_extra_fields(settings),
         )
-    return ACConfig(mode="selective", targets=(*settings.save, _MM), **_extra_fields(settings))
+    return ACConfig(
+        mode="selective", targets=(*settings.save, *supplied([_MM])), **_extra_fields(settings)
+    )
 
 
 def apply_ac(
@@ -220,19 +242,26 @@ def apply_ac(
         from torchtitan.distributed.activation_checkpoint import SelectiveAC
         apply_ac(model, SelectiveAC.Config(), profile=lambda m: m(tokens).sum())
     """
+    if profile is not None and not callable(profile):
+        raise TypeError(f"profile={profile!r} is not callable: pass a function model -> loss")
+    if not isinstance(strict, bool):
+        raise TypeError(
+            f"strict={strict!r} must be True (raise for named targets that match nothing) or "
+            "False (log them)"
+        )
     settings = _from_table(ac_config) if isinstance(ac_config, Mapping) else _from_object(ac_config)
     if settings.kind == "none":
         unwrap_blocks(model)
         return []
     _check_unsupported(settings)
-    common = dict(blocks=blocks, preserve_rng_state=settings.preserve_rng_state, strict=strict)
     extra = _extra_fields(settings)
+    common = dict(blocks=blocks, strict=strict)
+    if "preserve_rng_state" not in extra:
+        common["preserve_rng_state"] = settings.preserve_rng_state
     if settings.kind == "full":
         return checkpoint_blocks(
             model, config=ACConfig(mode="full", freq=settings.freq, **extra), **common
         )
-    if profile is not None and not callable(profile):
-        raise TypeError(f"profile={profile!r} is not callable: pass a function model -> loss")
     if settings.kind == "memory_budget":
         return _apply_memory_budget(model, settings, profile, common, extra)
     return _apply_selective(model, settings, profile, common, extra)
@@ -267,7 +296,7 @@ def _apply_selective(
         with _MatmulCalls(selected) as calls, torch.enable_grad():
             profile(model)
         matmuls = _every_second_mm(calls.calls, forced)
-    config = ACConfig(mode="selective", targets=(*settings.save, *matmuls), **extra)
+    config = ACConfig(mode="selective", targets=(*settings.save, *supplied(matmuls)), **extra)
     return checkpoint_blocks(model, config=config, **common)
 
 
@@ -383,11 +412,19 @@ def _linear_shape(module: nn.Linear) -> tuple[int, int]:
 def _from_object(config: Any) -> _Settings:
     if config is None:
         return _Settings("none")
+    if isinstance(config, str):
+        raise TypeError(
+            f"ac_config={config!r} is a string: pass a torchtitan config (FullAC.Config(), "
+            f"SelectiveAC.Config(), MemoryBudgetAC.Config()) or a table such as "
+            f"{{'mode': {config!r}}}"
+        )
     from torchtitan.distributed import activation_checkpoint as tt
 
     policy = config if isinstance(config, tt.ActivationCheckpointing) else None
     if policy is not None:
         config = policy.config
+    if not isinstance(config, tt.ActivationCheckpointing.Config):
+        raise TypeError(_NOT_A_CONFIG.format(config=config))
     common = dict(
         preserve_rng_state=config.preserve_rng_state,
         determinism_check=config.determinism_check,
@@ -398,9 +435,12 @@ def _from_object(config: Any) -> _Settings:
     if isinstance(config, tt.SelectiveAC.Config):
         if policy is None:
             policy = tt.SelectiveAC(config)
+        ops = set(policy.get_save_ops())
+        # what a subclass adds to torchtitan's list is the user's, reported if it matches nothing
+        own = _translated(ops - set(tt.SelectiveAC.get_save_ops(policy))) - {_MM}
         return _Settings(
             "selective",
-            save=save_targets(policy.get_save_ops()),
+            save=(*supplied(t for t in save_targets(ops) if t not in own), *sorted(own)),
             force_fqns=tuple(config.force_recompute_mm_shapes_by_fqns),
             **common,
         )
@@ -408,12 +448,13 @@ def _from_object(config: Any) -> _Settings:
         if config.visualize_memory_budget_pareto:
             raise ValueError(_PARETO)
         return _Settings("memory_budget", memory_budget=config.memory_budget, **common)
-    raise TypeError(
-        f"ac_config={config!r} is not a torchtitan AC config: pass FullAC.Config(), "
-        "SelectiveAC.Config(), MemoryBudgetAC.Config(), a policy built from one, a table, or None"
-    )
+    raise TypeError(_NOT_A_CONFIG.format(config=config))
 
 
+_NOT_A_CONFIG = (
+    "ac_config={config!r} is not a torchtitan AC config: pass FullAC.Config(), "
+    "SelectiveAC.Config(), MemoryBudgetAC.Config(), a policy built from one, a table, or None"
+)
 _PARETO = (
     "visualize_memory_budget_pareto=True draws the compile partitioner's trade-off curve, which "
     "prime_ac's eager budget does not have: drop it (prime_ac.audit(model, loss_fn) reports "
@@ -423,17 +464,32 @@ _PARETO = (
 
 def _from_table(table: Mapping[str, Any]) -> _Settings:
     unknown = sorted(set(table) - _KEYS)
+    own = sorted(set(unknown) & {f.name for f in dataclasses.fields(ACConfig)})
+    if own:
+        raise ValueError(
+            f"the table mixes prime_ac's key(s) {own} with torchtitan's "
+            f"{sorted(set(table) & _KEYS - {'mode'})}; it is read as torchtitan's, which has no "
+            f"such key: write the table of one of the two (docs/integrations.md)"
+        )
     if unknown:
         raise ValueError(
             f"unknown torchtitan activation-checkpointing key(s) {unknown}: accepted keys are "
             f"{sorted(_KEYS)}"
         )
-    mode = table.get("mode", "selective")
+    mode = table["mode"] if "mode" in table else _mode_by_keys(table)
     if mode not in _MODES:
         raise ValueError(
             f"mode={mode!r} is not a torchtitan AC mode: use one of {sorted(set(_MODES))}"
         )
     kind = _MODES[mode]
+    for key, (reader, default) in _READ_BY.items():
+        value = table.get(key, default)
+        if reader != kind and str(_plain(value)) != str(_plain(default)):
+            raise ValueError(
+                f"{key}={value!r} is read only with mode={reader!r}, and this table's mode is "
+                f"{mode!r} (torchtitan ignores it there): set mode={reader!r} to use it, or "
+                f"drop {key}"
+            )
     freq = 1
     option = table.get("selective_ac_option", "op")
     if kind == "selective" and str(option) != "op":
@@ -465,10 +521,31 @@ def _from_table(table: Mapping[str, Any]) -> _Settings:
     )
 
 
+def _mode_by_keys(table: Mapping[str, Any]) -> str:
+    """The mode of a table without one, as 0.3.0's configs have none: the config whose own keys
+    it has (SelectiveAC's, MemoryBudgetAC's), else FullAC (whose keys every config has)."""
+    modes = {_READ_BY[key][0] for key in table if key in _READ_BY}
+    if len(modes) > 1:
+        keys = sorted(set(table) & set(_READ_BY))
+        raise ValueError(
+            f"the table has no mode and keys of both SelectiveAC and MemoryBudgetAC ({keys}): "
+            "set mode = 'selective' or 'memory_budget'"
+        )
+    return modes.pop() if modes else "full"
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
 def _extra_fields(settings: _Settings) -> dict[str, Any]:
     """The checkpoint options torchtitan sets that this prime_ac's ACConfig has fields for."""
     fields = {f.name for f in dataclasses.fields(ACConfig)}
-    wanted = {"early_stop": settings.early_stop, "determinism_check": settings.determinism_check}
+    wanted = {
+        "early_stop": settings.early_stop,
+        "determinism_check": settings.determinism_check,
+        "preserve_rng_state": settings.preserve_rng_state,
+    }
     return {name: v for name, v in wanted.items() if name in fields and v is not None}
 
 
@@ -494,3 +571,6 @@ def _check_fraction(budget: Any) -> None:
             f"memory_budget={budget!r} must be a number in [0, 1] (0: full AC's activation "
             "memory, 1: no AC's)"
         )
+
+
+register_table_reader("torchtitan", claims=is_torchtitan_table, read=config_from_table)
