@@ -145,3 +145,90 @@ def test_ring_without_process_group_says_how_to_fix():
     cu = torch.tensor([0, 4], dtype=torch.int32)
     with pytest.raises(RuntimeError, match="ring_attention: .*init_process_group"):
         ring_attention(q, q, q, cu, 4)
+
+
+# --- what selective checkpointing keeps on a ring step (issue 31) -------------------------------
+
+
+def _storages(tensors, inputs) -> int:
+    """Bytes of the distinct storages among ``tensors``, the inputs' own excluded."""
+    skip = {t.untyped_storage().data_ptr() for t in inputs}
+    seen = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _saved_without_ac(fn, inputs) -> int:
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        fn(*inputs)
+    return _storages(saved, inputs)
+
+
+def _kept_by_selective(fn, inputs, target: str) -> int:
+    """Bytes torch's own SAC keeps when ``target`` is saved and everything else recomputed."""
+    from torch.utils.checkpoint import (
+        CheckpointPolicy,
+        checkpoint,
+        create_selective_checkpoint_contexts,
+    )
+
+    kept = []
+
+    def policy(ctx, op, *args, **kwargs):
+        if str(op).startswith(target):
+            if ctx.is_recompute is False:
+                kept.extend(t for t in ctx.op_output if isinstance(t, torch.Tensor))
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    contexts = functools.partial(create_selective_checkpoint_contexts, policy)
+    checkpoint(fn, *inputs, use_reentrant=False, context_fn=contexts)
+    return _storages(kept, inputs)
+
+
+def test_a_merge_target_keeps_what_no_ac_never_saves():
+    """docs/attention.md: keeping ``prime_rl::merge_attn_states`` holds the merged out and lse
+    (T * H * D + H * T fp32: 32.25 MiB at 4096 tokens of 16 heads of 128), while without AC the
+    merge saves nothing but its inputs: its backward needs only them."""
+    from prime_ops import native
+
+    if not native.has_kernel("merge_attn_states", torch.device("cpu")):
+        pytest.skip("the native kernels are not built (python -m prime_ops.native)")
+    tokens, heads, dim = 256, 16, 128
+    gen = torch.Generator().manual_seed(0)
+    step = [torch.randn(tokens, heads, dim, generator=gen).requires_grad_() for _ in range(2)]
+    lses = [torch.randn(heads, tokens, generator=gen).requires_grad_() for _ in range(2)]
+    inputs = (step[0], lses[0], step[1], lses[1])
+
+    def merge(out_a, lse_a, out_b, lse_b):
+        out, lse = native.merge_attn_states(out_a, lse_a, out_b, lse_b)
+        return out.sum() + lse.sum()
+
+    assert _saved_without_ac(merge, inputs) == 0
+    kept = _kept_by_selective(merge, inputs, "prime_rl.merge_attn_states")
+    assert kept == (tokens * heads * dim + heads * tokens) * 4
+
+
+def _ring_target_costs_nothing(rank, world):
+    gen = torch.Generator().manual_seed(0)
+    cu = torch.tensor([0, 20, 64], dtype=torch.int32)
+    q, k, v = (torch.randn(32, h, 16, generator=gen).requires_grad_() for h in (4, 2, 2))
+
+    def step(q, k, v):
+        out, _ = ring_attention(q, k, v, cu, 44, causal=True)
+        return out.square().sum()
+
+    no_ac = _saved_without_ac(step, (q, k, v))
+    kept = _kept_by_selective(step, (q, k, v), "prime_rl_attn.ring_attention")
+    out_and_lse = 32 * 4 * 16 * 4 + 4 * 32 * 4
+    assert kept == out_and_lse, kept  # the op's outputs, which its own backward saves anyway
+    assert no_ac == out_and_lse + cu.untyped_storage().nbytes(), no_ac  # + the offsets it saves
+
+
+@pytest.mark.slow
+def test_keeping_the_ring_op_holds_no_byte_beyond_its_own_backward():
+    run_distributed(_ring_target_costs_nothing, 2)

@@ -131,7 +131,8 @@ def _args(q, cu_q, cu_k, max_q, max_k, causal, left, right, scale, softcap) -> V
 
 def _check(q, k, v, world, start, stop, stride, spec, a, grads=None) -> None:
     """The op's own rules, then the varlen contract on the keys the local queries see (zero-
-    stride stand-ins: no memory)."""
+    stride stand-ins: no memory). ``world`` None (the fakes: tracing needs no live group)
+    checks the slice against nothing but itself."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3:
             raise ValueError(f"{name} must be [tokens, heads, head_dim]; got {tuple(t.shape)}")
@@ -140,9 +141,10 @@ def _check(q, k, v, world, start, stop, stride, spec, a, grads=None) -> None:
     heads_k = k.shape[1]
     if not 1 <= stride <= heads_k or heads_k % stride:
         raise ValueError(f"heads_k_stride must divide k's {heads_k} heads; got {stride}")
-    if not 0 <= start <= stop <= world * k.shape[0]:
+    gathered = None if world is None else world * k.shape[0]
+    if not 0 <= start <= stop or (gathered is not None and stop > gathered):
         raise ValueError(
-            f"local_k_slice [{start}, {stop}) must lie within the {world * k.shape[0]} gathered "
+            f"local_k_slice [{start}, {stop}) must lie within the {gathered or 'gathered'} "
             "key tokens"
         )
     seen = (stop - start, heads_k)
@@ -223,8 +225,7 @@ def _(q, k, v, cu_q, cu_k, max_q, max_k, start, stop, stride, causal, group_name
       attention_backend, softmax_scale=None, softcap=0.0):  # fmt: skip
     spec = _backend(attention_backend)
     a = _args(q, cu_q, cu_k, max_q, max_k, causal, left, right, softmax_scale, softcap)
-    world = resolve_name(group_name, "prime_rl_ring::attention").size()
-    _check(q, k, v, world, start, stop, stride, spec, a)
+    _check(q, k, v, None, start, stop, stride, spec, a)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
     return out, q.new_empty(q.shape[1], q.shape[0], dtype=lse_dtype(q.dtype))
 
@@ -290,8 +291,7 @@ def _(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, start, stop, stride, ca
       group_name, left, right, attention_backend, softmax_scale=None, softcap=0.0):  # fmt: skip
     spec = _backend(attention_backend)
     a = _args(q, cu_q, cu_k, max_q, max_k, causal, left, right, softmax_scale, softcap)
-    world = resolve_name(group_name, "prime_rl_ring::attention_backward").size()
-    _check(q, k, v, world, start, stop, stride, spec, a, (dout, out, lse))
+    _check(q, k, v, None, start, stop, stride, spec, a, (dout, out, lse))
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 

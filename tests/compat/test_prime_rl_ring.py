@@ -10,18 +10,15 @@ the sdpa backend, compared with float64 attention over the whole packed batch (p
 
 from __future__ import annotations
 
-import sys
 from itertools import pairwise
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: dist_utils
-from dist_utils import run_distributed  # noqa: E402
-
-from prime_ops.attn import ring_shard  # noqa: E402
+from prime_ops.attn import ring_shard
+from tests.dist_utils import run_distributed
 
 
 def full_attention(q, k, v, cu, *, left, right):
@@ -168,3 +165,16 @@ def test_ring_shard_gives_ring_flash_attns_offsets():
     assert boundary.cu_seqlens_q.tolist() == [0, 8] and boundary.local_k_slice == slice(8, 16)
     with pytest.raises(ValueError, match="multiple of world_size 3; got 16"):
         ring_shard(cu, True, 0, 3)
+
+
+def test_fakes_need_no_live_group():
+    """Tracing (FakeTensorMode, torch.compile's first pass) must not need the group itself."""
+    with FakeTensorMode():
+        q = torch.empty(64, 8, 128, dtype=torch.bfloat16, device="cuda")
+        kv = torch.empty(64, 2, 128, dtype=torch.bfloat16, device="cuda")
+        cu = torch.empty(3, dtype=torch.int32, device="cuda")
+        args = (cu, cu, 64, 100, 0, 100, 1, True, "no-such-group", -1, -1, "flash_attention_4")
+        out, lse = torch.ops.prime_rl_ring.attention(q, kv, kv, *args)
+        assert (out.shape, lse.shape, lse.dtype) == ((64, 8, 128), (8, 64), torch.float32)
+        grads = torch.ops.prime_rl_ring.attention_backward(out, q, kv, kv, out, lse, *args)
+        assert [g.shape for g in grads] == [q.shape, kv.shape, kv.shape]
