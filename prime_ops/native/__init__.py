@@ -60,7 +60,9 @@ for _name, _schema in _SCHEMAS.items():
 
 
 def is_available() -> bool:
-    """True when the native library is loaded or a cached build can be loaded now."""
+    """True when the native library is loaded or a cached build can be loaded now (a build
+    another process is running is waited for, saying so; ``build.why_not_loaded()`` says why
+    not)."""
     return _build.load()
 
 
