@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import asdict
 
 import pytest
 import torch
 
 pytest.importorskip("torchtitan")
 
+import test_torchtitan_tables as tables_test  # noqa: E402
 import titan_models  # noqa: E402
 from ac_compare import assert_bitwise, replayed, run, step  # noqa: E402
 from torchtitan.distributed.activation_checkpoint import (  # noqa: E402
@@ -171,3 +173,71 @@ def test_a_model_torchtitan_already_checkpointed_is_refused():
     SelectiveAC.Config().build().apply(model)
     with pytest.raises(ValueError, match="CheckpointWrapper"):
         adapter.apply_ac(model, SelectiveAC.Config(), profile=titan_models.loss)
+
+
+def _configs():
+    return {
+        "FullAC": (FullAC.Config(), None),
+        "SelectiveAC": (SelectiveAC.Config(), titan_models.loss),
+        "SelectiveAC, no profile": (SelectiveAC.Config(), None),
+        "MemoryBudgetAC": (MemoryBudgetAC.Config(memory_budget=0.3), titan_models.loss),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", titan_models.MODELS)
+def test_strict_works_with_every_config_and_nothing_is_reported(name, caplog):
+    """The adapter's own targets (torchtitan's list: collectives, CUDA kernels, _grouped_mm,
+    addmm, flex attention, ...) are its, not the user's: never reported as matching nothing."""
+    caplog.set_level(logging.WARNING, logger="prime_ac")
+    for label, (config, profile) in _configs().items():
+        model = titan_models.build(name)
+        adapter.apply_ac(model, config, profile=profile, strict=True)
+        caplog.clear()
+        titan_models.loss(model).backward()  # the first step, where a target would be reported
+        assert "matched no operator call" not in caplog.text, f"{name}: {label}"
+
+
+class SelectiveACWithOwnOp(SelectiveAC):
+    """A user's save list: torchtitan's and one operator these models never call."""
+
+    def get_save_ops(self) -> set:
+        return super().get_save_ops() | {torch.ops.aten.cholesky.default}
+
+
+def test_what_a_users_save_list_adds_is_reported():
+    model = titan_models.build("llama3")
+    adapter.apply_ac(model, SelectiveACWithOwnOp(SelectiveAC.Config()), strict=True)
+    with pytest.raises(ValueError, match="matched no operator call") as raised:
+        titan_models.loss(model).backward()
+    reported = str(raised.value).split("keep nothing: ")[1]
+    assert reported.startswith("'aten::cholesky.default'") and ";" not in reported
+
+
+def test_the_configs_dicts_are_read_as_their_config():
+    """``dataclasses.asdict`` of each 0.3.0 config has no mode: its keys say which it is."""
+    assert asdict(FullAC.Config()) == tables_test.FULL
+    assert asdict(SelectiveAC.Config()) == tables_test.SELECTIVE
+    assert asdict(MemoryBudgetAC.Config(memory_budget=0.2)) == tables_test.MEMORY_BUDGET
+    full = prime_ac.ACConfig.from_dict(asdict(FullAC.Config()))
+    assert (full.mode, full.targets) == ("full", None)
+    budget = prime_ac.ACConfig.from_dict(asdict(MemoryBudgetAC.Config(memory_budget=0.2)))
+    assert (budget.targets, budget.budget) == ("auto", 0.2)
+    selective = prime_ac.ACConfig.from_dict(asdict(SelectiveAC.Config()))
+    assert set(selective.targets) == {*adapter.SAVE_TARGETS, "aten::mm.default"}
+
+
+@pytest.mark.parametrize(
+    "ac_config, kwargs, error, message",
+    [
+        ("full", {}, TypeError, r"ac_config='full' is a string: .*\{'mode': 'full'\}"),
+        (object(), {}, TypeError, "is not a torchtitan AC config"),
+        (FullAC.Config(), {"profile": 42}, TypeError, "profile=42 is not callable"),
+        (FullAC.Config(), {"strict": "yes"}, TypeError, "strict='yes' must be True"),
+    ],
+)
+def test_bad_arguments_raise_before_the_model_is_touched(ac_config, kwargs, error, message):
+    model = titan_models.build("llama3")
+    with pytest.raises(error, match=message):
+        adapter.apply_ac(model, ac_config, **kwargs)
+    assert prime_ac.unwrap_blocks(model) == []
