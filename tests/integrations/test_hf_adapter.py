@@ -67,3 +67,52 @@ def test_hf_checkpointing_on_top_of_prime_ac_is_turned_off_again():
 
     again = run(build, hf_models.loss, twice, none, "re-applied")
     assert (again.held, again.backward_flops) == (once.held, once.backward_flops)
+
+
+def test_hf_checkpointing_turned_on_after_prime_ac_is_turned_off_and_said(caplog):
+    """checkpoint_hf_model first, then what a Trainer's train() does for
+    gradient_checkpointing=True: one layer, prime_ac's, from the next forward on."""
+    build = hf_models.llama
+    none = step(build(), hf_models.loss)
+    once = run(build, hf_models.loss, lambda m: checkpoint_hf_model(m, mode="full"), none, "once")
+    model = build()
+    checkpoint_hf_model(model, mode="full")
+    hf_models.hf_checkpointing_on(model)
+    with caplog.at_level(logging.WARNING, logger="prime_ac"):
+        after = step(model, hf_models.loss)
+    assert not model.is_activation_checkpointing
+    assert "gradient_checkpointing=False" in caplog.text
+    assert (after.held, after.backward_flops) == (once.held, once.backward_flops)
+    # said once: off now, the next forward says nothing
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="prime_ac"):
+        step(model, hf_models.loss)
+    assert "prime_ac" not in caplog.text
+
+
+def test_hf_checkpointing_is_left_alone_once_prime_ac_unwrapped_the_blocks():
+    import prime_ac
+
+    model = hf_models.llama()
+    checkpoint_hf_model(model, mode="full")
+    prime_ac.unwrap_blocks(model)
+    hf_models.hf_checkpointing_on(model)
+    step(model, hf_models.loss)
+    assert model.is_activation_checkpointing
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"mode": "fulll"}, ValueError, "mode='fulll' is not a checkpoint mode"),
+        ({"modes": "full"}, TypeError, r"no argument 'modes' \(did you mean 'mode'\?\)"),
+        ({"model": None}, TypeError, "no argument 'model'"),
+        ({"targets": ["aten::mm"]}, ValueError, "has no effect with mode='full'"),
+        ({"config": {"mode": "full"}}, TypeError, "takes a prime_ac.ACConfig"),
+    ],
+)
+def test_the_callback_checks_its_arguments_when_built(kwargs, error, message):
+    from prime_ac.integrations.hf import PrimeACCallback
+
+    with pytest.raises(error, match=message):
+        PrimeACCallback(**kwargs)

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer, models  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 from trl import SFTConfig, SFTTrainer  # noqa: E402
 
-from prime_ac.integrations.hf import PrimeACCallback  # noqa: E402
+from prime_ac.integrations.hf import PrimeACCallback, checkpoint_hf_model  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -50,7 +50,12 @@ def _data() -> Dataset:
     return Dataset.from_dict({"input_ids": rows})
 
 
-def train(tmp_path, callbacks=(), **config) -> torch.nn.Module:
+def train(tmp_path, callbacks=(), prepare=None, **config) -> torch.nn.Module:
+    """Two steps of SFTTrainer on a fresh model; ``prepare(model)`` runs before the trainer is
+    built (the order docs recommend for FSDP and compile)."""
+    model = hf_models.llama()
+    if prepare is not None:
+        prepare(model)
     args = SFTConfig(
         output_dir=str(tmp_path),
         max_steps=2,
@@ -65,7 +70,7 @@ def train(tmp_path, callbacks=(), **config) -> torch.nn.Module:
         **config,
     )
     trainer = SFTTrainer(
-        model=hf_models.llama(),
+        model=model,
         args=args,
         train_dataset=_data(),
         processing_class=_tokenizer(),
@@ -124,3 +129,22 @@ def test_attention_kept_holds_what_trls_selective_holds(tmp_path):
     none_step, own_step, our_step = (step(m, hf_models.loss) for m in (none, own, ours))
     assert our_step.held == own_step.held < none_step.held
     assert replayed(our_step, none_step) <= replayed(own_step, none_step)
+
+
+def test_checkpoint_hf_model_before_the_trainer_ends_with_one_layer(tmp_path, caplog):
+    """prime_ac applied first, then SFTConfig's default gradient_checkpointing=True turns Hugging
+    Face checkpointing on in train(): the first forward turns it off again and says so."""
+    none = train(tmp_path / "none", gradient_checkpointing=False)
+    alone = train(
+        tmp_path / "alone",
+        prepare=lambda m: checkpoint_hf_model(m, mode="full"),
+        gradient_checkpointing=False,
+    )
+    with caplog.at_level(logging.WARNING, logger="prime_ac"):
+        ours = train(tmp_path / "prime_ac", prepare=lambda m: checkpoint_hf_model(m, mode="full"))
+    assert "Set gradient_checkpointing=False" in caplog.text
+    assert not ours.is_activation_checkpointing
+    assert_same_weights(ours, none)
+    none_step, alone_step, our_step = (step(m, hf_models.loss) for m in (none, alone, ours))
+    assert (our_step.held, our_step.backward_flops) == (alone_step.held, alone_step.backward_flops)
+    assert our_step.held < none_step.held
