@@ -6,7 +6,18 @@ installed; kernel libraries are imported on the first real call. prime_ops never
 
 from importlib.metadata import distributions as _distributions
 
-from prime_ops import attn, collectives, deepep, expert_parallel, fp8, moe, mxfp8, native, quack
+from prime_ops import (
+    attn,
+    collectives,
+    deepep,
+    deepep_prime_rl,
+    expert_parallel,
+    fp8,
+    moe,
+    mxfp8,
+    native,
+    quack,
+)
 from prime_ops.backends import BackendUnavailable
 
 # The installed distribution's version; "0+unknown" (never a real release) without metadata.
@@ -17,6 +28,7 @@ __all__ = [
     "attn",
     "collectives",
     "deepep",
+    "deepep_prime_rl",
     "expert_parallel",
     "fp8",
     "moe",

@@ -1,4 +1,11 @@
-"""DeepEP expert-parallel dispatch and combine as ops (namespace ``deepep``).
+"""DeepEP expert-parallel dispatch and combine as ops (namespace ``deepep``): prime_ops' design.
+
+:class:`Dispatcher` runs ``deepep::dispatcher_dispatch`` / ``deepep::dispatcher_combine`` (and
+their ``_backward`` ops): a dispatcher object per layer group, expert alignment, the received
+top-k indices returned, equal layouts sharing one handle. prime-rl's own schemas
+(``deepep::dispatch(x, topk_idx, topk_weights, num_experts)``, ``deepep::combine(x, handle_id,
+num_tokens)``) are in :mod:`prime_ops.deepep_prime_rl`; they return other outputs, so the two
+designs cannot share a name.
 
 DeepEP's dispatch is a paired collective with a host sync and a stateful layout handle: it must
 run exactly once per forward, never again in a checkpoint recompute (prime_ac keeps namespace
@@ -165,8 +172,8 @@ class Dispatcher:
     def dispatch(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     ) -> Dispatched:
-        """Send each token to the ranks of its ``topk_idx`` experts (``deepep::dispatch``)."""
-        out = torch.ops.deepep.dispatch(
+        """Send each token to the ranks of its ``topk_idx`` experts."""
+        out = torch.ops.deepep.dispatcher_dispatch(
             x,
             topk_idx,
             topk_weights,
@@ -182,7 +189,9 @@ class Dispatcher:
 
         The sum is unweighted: scale rows by ``dispatched.topk_weights`` before combining.
         """
-        return torch.ops.deepep.combine(x, dispatched.handle, self.key, dispatched.num_tokens)
+        return torch.ops.deepep.dispatcher_combine(
+            x, dispatched.handle, self.key, dispatched.num_tokens
+        )
 
     def _own(self, layout: Any, num_tokens: int, num_recv: int, counts: list[int]) -> torch.Tensor:
         """A handle tensor for ``layout``; a live entry with an equal layout is shared."""
@@ -223,12 +232,12 @@ class Dispatcher:
         if 0 <= ident < self._next_id:
             raise ValueError(
                 f"DeepEP handle {ident} was already released: a handle lives as long as the "
-                "tensor deepep::dispatch returned (or a view or detached alias of it); a clone "
-                "kept after that tensor died does not keep it"
+                "tensor deepep::dispatcher_dispatch returned (or a view or detached alias of it); "
+                "a clone kept after that tensor died does not keep it"
             )
         raise ValueError(
-            f"unknown DeepEP handle {token.tolist()}: pass the handle tensor deepep::dispatch "
-            "returned (or a view, detached alias or clone of it)"
+            f"unknown DeepEP handle {token.tolist()}: pass the handle tensor "
+            "deepep::dispatcher_dispatch returned (or a view, detached alias or clone of it)"
         )
 
 
@@ -277,8 +286,8 @@ def _lookup(key: int) -> Dispatcher:
 def _check_token(token: torch.Tensor) -> None:
     if token.dtype != torch.int64 or tuple(token.shape) != (2,) or token.device.type != "cpu":
         raise ValueError(
-            "handle must be the CPU int64 tensor of shape (2,) that deepep::dispatch returned, got "
-            f"dtype {token.dtype}, shape {tuple(token.shape)} on {token.device}"
+            "handle must be the CPU int64 tensor of shape (2,) that deepep::dispatcher_dispatch "
+            f"returned, got dtype {token.dtype}, shape {tuple(token.shape)} on {token.device}"
         )
 
 
@@ -301,7 +310,9 @@ def _check_x(name: str, x: torch.Tensor) -> None:
 
 
 def _check_dispatch(x, topk_idx, topk_weights, num_experts, num_local_experts) -> None:
-    check_same_device("deepep::dispatch", x=x, topk_idx=topk_idx, topk_weights=topk_weights)
+    check_same_device(
+        "deepep::dispatcher_dispatch", x=x, topk_idx=topk_idx, topk_weights=topk_weights
+    )
     _check_x("x", x)
     if topk_idx.dtype != torch.int64 or topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
         raise ValueError(
@@ -325,7 +336,7 @@ def _check_dispatch(x, topk_idx, topk_weights, num_experts, num_local_experts) -
 # --- dispatch -----------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("deepep::dispatch", mutates_args=())
+@torch.library.custom_op("deepep::dispatcher_dispatch", mutates_args=())
 def _dispatch(
     x: torch.Tensor,
     topk_idx: torch.Tensor,
@@ -390,7 +401,7 @@ def _(x, topk_idx, topk_weights, dispatcher, num_experts, num_local_experts, exp
 def _check_dispatch_backward(grad_recv_x, grad_recv_topk_weights, recv_topk_idx, handle):
     _check_token(handle)
     check_same_device(
-        "deepep::dispatch_backward",
+        "deepep::dispatcher_dispatch_backward",
         grad_recv_x=grad_recv_x,
         grad_recv_topk_weights=grad_recv_topk_weights,
         recv_topk_idx=recv_topk_idx,
@@ -401,7 +412,7 @@ def _check_dispatch_backward(grad_recv_x, grad_recv_topk_weights, recv_topk_idx,
     _check_rows("grad_recv_topk_weights", grad_recv_topk_weights, rows, recv_topk_idx.shape[1])
 
 
-@torch.library.custom_op("deepep::dispatch_backward", mutates_args=())
+@torch.library.custom_op("deepep::dispatcher_dispatch_backward", mutates_args=())
 def _dispatch_backward(
     grad_recv_x: torch.Tensor,
     grad_recv_topk_weights: torch.Tensor,
@@ -449,7 +460,7 @@ def _dispatch_grad(ctx, grad_recv_x, _idx, grad_recv_weights, _counts, _handle):
             (grad_recv_x, grad_recv_weights), ctx.recv, strict=True
         )
     ]
-    grad_x, grad_weights = torch.ops.deepep.dispatch_backward(
+    grad_x, grad_weights = torch.ops.deepep.dispatcher_dispatch_backward(
         *grads, recv_idx, handle, ctx.dispatcher, ctx.num_tokens
     )
     return grad_x, None, grad_weights, None, None, None, None
@@ -461,7 +472,7 @@ _dispatch.register_autograd(_dispatch_grad, setup_context=_dispatch_setup)
 # --- combine ------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("deepep::combine", mutates_args=())
+@torch.library.custom_op("deepep::dispatcher_combine", mutates_args=())
 def _combine(
     x: torch.Tensor, handle: torch.Tensor, dispatcher: int, num_tokens: int
 ) -> torch.Tensor:
@@ -485,7 +496,7 @@ def _(x, handle, dispatcher, num_tokens):
     return x.new_empty(num_tokens, x.shape[1])
 
 
-@torch.library.custom_op("deepep::combine_backward", mutates_args=())
+@torch.library.custom_op("deepep::dispatcher_combine_backward", mutates_args=())
 def _combine_backward(
     grad: torch.Tensor, handle: torch.Tensor, dispatcher: int, num_recv: int
 ) -> torch.Tensor:
@@ -517,7 +528,7 @@ def _combine_setup(ctx, inputs, output):
 
 def _combine_grad(ctx, grad):
     (handle,) = ctx.saved_tensors
-    grad_x = torch.ops.deepep.combine_backward(
+    grad_x = torch.ops.deepep.dispatcher_combine_backward(
         grad.contiguous(), handle, ctx.dispatcher, ctx.num_recv
     )
     return grad_x, None, None, None

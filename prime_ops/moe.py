@@ -4,7 +4,10 @@ Routers accumulate how many tokens each expert received (for load-balancing bias
 metrics). Done with plain in-place adds, activation checkpointing replays the adds during
 recompute and the counters double. As one mutating custom op the accumulation has a name that
 checkpoint policies keep (``prime_ac`` lists it as mandatory in every mode), so it runs once per
-forward and never in recompute. The name and schema match prime-rl's so its target lists work.
+forward and never in recompute. The name and schema are prime-rl's (its MoE layer module's
+``record_moe_routing_statistics``, unchanged in every stored version up to the newest), so its call
+``record_moe_routing_statistics(self.tokens_per_expert, self.routing_confidence_sum,
+num_tokens_per_expert, routing_confidence_sum)`` under ``torch.no_grad()`` binds as it is.
 
 The reference expert-parallel MoE layer that records these statistics lives in
 :mod:`prime_ops.expert_parallel`.
@@ -38,6 +41,17 @@ def _check(tokens_per_expert, routing_confidence_sum, token_counts, confidence) 
             f"{tuple(routing_confidence_sum.shape)}; pass the confidence already reduced to "
             "the accumulator's shape (usually a 0-d sum over tokens)"
         )
+    for name, total in (
+        ("tokens_per_expert", tokens_per_expert),
+        ("routing_confidence_sum", routing_confidence_sum),
+    ):
+        if any(stride == 0 and size > 1 for stride, size in zip(total.stride(), total.shape)):
+            raise ValueError(
+                f"{name} is an expanded view (strides {total.stride()} for shape "
+                f"{tuple(total.shape)}): several of its elements share one memory location, so "
+                "an in-place add cannot accumulate into each; pass a tensor that owns its "
+                f"elements (torch.zeros({', '.join(map(str, total.shape))}) or {name}.clone())"
+            )
     for total, part, names in (
         (tokens_per_expert, token_counts, ("tokens_per_expert", "token_counts")),
         (routing_confidence_sum, confidence, ("routing_confidence_sum", "confidence")),

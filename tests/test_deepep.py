@@ -1,4 +1,4 @@
-"""deepep::dispatch / deepep::combine.
+"""prime_ops.deepep.Dispatcher: deepep::dispatcher_dispatch / dispatcher_combine.
 
 Semantics and gradients run on 2 and 4 gloo ranks through the reference backend (DeepEP's rules
 over all_to_all) against a single-process float64 model written with plain autograd. The exact
@@ -260,11 +260,13 @@ def test_fakes_on_fake_cuda_without_deep_ep(backend, monkeypatch):
         assert out.handle.shape == (2,) and out.handle.device.type == "cpu"
         combined = dispatcher.combine(out.x, out)
         assert combined.shape == (6, HIDDEN) and combined.device.type == "cuda"
-        gx, gw = torch.ops.deepep.dispatch_backward(
+        gx, gw = torch.ops.deepep.dispatcher_dispatch_backward(
             out.x, out.topk_weights, out.topk_idx, out.handle, dispatcher.key, 6
         )
         assert gx.shape == (6, HIDDEN) and gw.shape == (6, TOPK)
-        back = torch.ops.deepep.combine_backward(combined, out.handle, dispatcher.key, received)
+        back = torch.ops.deepep.dispatcher_combine_backward(
+            combined, out.handle, dispatcher.key, received
+        )
         assert back.shape[0] == received
     assert len(backend) == calls  # fakes never call the backend
 
@@ -272,7 +274,14 @@ def test_fakes_on_fake_cuda_without_deep_ep(backend, monkeypatch):
 # --- prime_ac ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("op", ["dispatch", "combine", "dispatch_backward", "combine_backward"])
+@pytest.mark.parametrize(
+    "op",
+    [
+        f"{prefix}{name}"
+        for prefix in ("", "dispatcher_")
+        for name in ("dispatch", "combine", "dispatch_backward", "combine_backward")
+    ],
+)
 def test_deepep_ops_are_mandatory_in_every_mode(op):
     import prime_ac
 
@@ -381,9 +390,9 @@ def test_bad_dispatch_inputs(backend):
         with pytest.raises(ValueError, match=match):
             dispatcher.dispatch(*args)
     with pytest.raises(RuntimeError, match="no live prime_ops.deepep.Dispatcher"):
-        torch.ops.deepep.dispatch(x, idx, weights, -1, EXPERTS, 2, 1)
+        torch.ops.deepep.dispatcher_dispatch(x, idx, weights, -1, EXPERTS, 2, 1)
     with pytest.raises(ValueError, match="differ from Dispatcher"):
-        torch.ops.deepep.dispatch(x, idx, weights, dispatcher.key, EXPERTS, 2, 4)
+        torch.ops.deepep.dispatcher_dispatch(x, idx, weights, dispatcher.key, EXPERTS, 2, 4)
     out = dispatcher.dispatch(x, idx, weights)
     with pytest.raises(ValueError, match="handle must be the CPU int64 tensor"):
         dispatcher.combine(out.x, out._replace(handle=out.handle.int()))
@@ -505,11 +514,13 @@ def _opchecks(rank, world):
     x.requires_grad_()
     weights.requires_grad_()
     args = (x, idx, weights, dispatcher.key, 4, 2, 1)
-    opcheck(torch.ops.deepep.dispatch.default, args)
+    opcheck(torch.ops.deepep.dispatcher_dispatch.default, args)
     d = dispatcher.dispatch(x.detach(), idx, weights.detach())
     recv = d.x.clone().requires_grad_()
-    opcheck(torch.ops.deepep.combine.default, (recv, d.handle, dispatcher.key, d.num_tokens))
+    combine_args = (recv, d.handle, dispatcher.key, d.num_tokens)
+    opcheck(torch.ops.deepep.dispatcher_combine.default, combine_args)
     back = (d.x, d.topk_weights, d.topk_idx, d.handle, dispatcher.key, d.num_tokens)
-    opcheck(torch.ops.deepep.dispatch_backward.default, back)
+    opcheck(torch.ops.deepep.dispatcher_dispatch_backward.default, back)
     grad = x.detach() * 2
-    opcheck(torch.ops.deepep.combine_backward.default, (grad, d.handle, dispatcher.key, len(d.x)))
+    back_args = (grad, d.handle, dispatcher.key, len(d.x))
+    opcheck(torch.ops.deepep.dispatcher_combine_backward.default, back_args)
