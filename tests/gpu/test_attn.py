@@ -125,6 +125,36 @@ def test_backend_compiles_without_graph_break(backend):
     assert all(t.grad is not None and t.grad.isfinite().all() for t in leaves)
 
 
+# prime-rl's calls (src/prime_rl/trainer/models/layers/attn.py, see tests/compat): the op by name,
+# q/k/v as transposed views, None max_seqlen and windows for FA4.
+PRIME_RL_CALLS = {
+    "fa2": lambda q, k, v, cu, n: torch.ops.prime_rl_attn.flash_attn_2_varlen(
+        q, k, v, cu, cu, n, n, q.shape[-1] ** -0.5, True, -1, -1
+    ),
+    "fa3": lambda q, k, v, cu, n: torch.ops.prime_rl_attn.flash_attn_3_varlen(
+        q, k, v, cu, cu, n, n, q.shape[-1] ** -0.5, True, -1, -1
+    ),
+    "fa4": lambda q, k, v, cu, n: torch.ops.prime_rl_attn.flash_attn_4_varlen(
+        q, k, v, cu, cu, None, None, True, None, None
+    ),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prime_rl_call_on_transposed_views(backend):
+    q, k, v, cu, _, n, _ = _inputs([300, 1, 129], 8, 2, 128)
+    views = [t.transpose(0, 1).contiguous().transpose(0, 1).requires_grad_() for t in (q, k, v)]
+    assert not views[0].is_contiguous() and views[0].stride(-1) == 1
+    out, lse = PRIME_RL_CALLS[backend](*views, cu, n)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    ref_out, ref_lse, ref_grads = _run("sdpa", q, k, v, cu, cu, n, n, dout=dout, causal=True)
+    _close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=1e-3)
+    for got, ref in zip(views, ref_grads, strict=True):
+        _close(got.grad, ref, rel=5e-2)
+
+
 def test_missing_backend_raises_backend_unavailable():
     missing = [name for name in MODULES if not _available(name)]
     if not torch.cuda.is_available() or not missing:
