@@ -788,7 +788,42 @@ def _discover(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
         taken.update(id(b) for _, b in group)
         if group:
             groups.append(group)
+    _refuse_unsupported(model, groups)
     return groups
+
+
+# The flags by which diffusers (``_supports_gradient_checkpointing``) and transformers
+# (``supports_gradient_checkpointing``) models say whether their blocks can be checkpointed, and
+# the library base classes whose False is only the default for models that never said.
+_SUPPORT_FLAGS = ("_supports_gradient_checkpointing", "supports_gradient_checkpointing")
+_LIBRARY_BASES = frozenset({"ModelMixin", "PreTrainedModel"})
+
+
+def _declares_unsupported(module: nn.Module) -> str | None:
+    """The flag ``module``'s own class sets to False, or None: diffusers' AutoencoderKLWan
+    passes its blocks caches they change in place, and says so."""
+    for flag in _SUPPORT_FLAGS:
+        owner = next((c for c in type(module).__mro__ if flag in c.__dict__), None)
+        if owner is not None and owner.__dict__[flag] is False:
+            if owner.__name__ not in _LIBRARY_BASES:
+                return f"{owner.__name__}.{flag} = False"
+    return None
+
+
+def _refuse_unsupported(model: nn.Module, groups: list[list[tuple[str, nn.Module]]]) -> None:
+    names = [name for group in groups for name, _ in group]
+    for path, module in model.named_modules():
+        flag = _declares_unsupported(module)
+        inside = [n for n in names if not path or n.startswith(path + ".")]
+        if flag is not None and inside:
+            containers = list(dict.fromkeys(n.rpartition(".")[0] for n in inside))
+            raise ValueError(
+                f"checkpoint_blocks: {path or '<root>'} ({type(module).__name__}) declares that "
+                f"it does not support gradient checkpointing ({flag}), so discovery does not "
+                f"wrap its blocks ({', '.join(inside[:3])}{', ...' * (len(inside) > 3)}). If "
+                f"you know them to be safe, name them: blocks={containers!r} (prime_ac restores "
+                "list and dict arguments a block changes in place for the recompute)."
+            )
 
 
 # Class names of modules that mix tokens (attention, state-space and recurrent mixers,

@@ -517,3 +517,78 @@ def test_blocks_under_torch_checkpoint_wrapper_are_refused_naming_them():
     with pytest.raises(ValueError, match=r"CheckpointWrapper '0.0.layers.0'"):
         prime_ac.checkpoint_blocks(outer, blocks="0")
     assert prime_ac.unwrap_blocks(outer) == []
+
+
+class CachedConv(nn.Module):
+    """Wan-VAE style: each block reads ``feat[idx[0]]``, replaces it and advances ``idx`` (lists
+    shared by every block of the model), and records in ``log`` (a dict) what it saw."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, feat, idx, log):
+        i = idx[0]
+        h = self.lin(x) * (1.0 if feat[i] is None else feat[i])
+        feat[i] = h.detach()[:1].clone()
+        idx[0] += 1
+        log.setdefault("seen", []).append(i)
+        return torch.tanh(h)
+
+
+class CachedStack(nn.Module):
+    def __init__(self, n=3):
+        super().__init__()
+        self.layers = nn.ModuleList(CachedConv() for _ in range(n))
+
+    def forward(self, x, feat):
+        idx, log = [0], {}
+        for layer in self.layers:
+            x = layer(x, feat, idx, log)
+        self.last = (list(feat), idx[0], log)  # what the forward left, for the test
+        return x
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_list_and_dict_arguments_the_forward_changes_are_restored_for_the_recompute(mode):
+    torch.manual_seed(0)
+    plain, x = CachedStack(), torch.randn(4, 8, requires_grad=True)
+    model = copy.deepcopy(plain)
+    prime_ac.checkpoint_blocks(model, mode=mode)
+    for step in range(2):  # the second step reads the cache the first one filled
+        results = []
+        for m in (plain, model):
+            feat = [None, None, None] if step == 0 else list(m.feat)
+            m.zero_grad(set_to_none=True)
+            m(x, feat).square().sum().backward()
+            m.feat = feat
+            results.append((grads(m), feat, m.last))
+        (g0, feat0, last0), (g, feat, last) = results
+        assert_bitwise_equal(g, g0)
+        # the containers hold what the forward left, not what a recompute would have left
+        assert [f is not None for f in feat] == [True] * 3
+        assert all(torch.equal(a, b) for a, b in zip(feat, feat0, strict=True))
+        assert last[1] == last0[1] == 3 and last[2] == last0[2] == {"seen": [0, 1, 2]}
+
+
+class Unsupported(nn.Module):
+    _supports_gradient_checkpointing = False  # as diffusers' AutoencoderKLWan declares
+
+    def __init__(self):
+        super().__init__()
+        self.stack = CachedStack()
+
+    def forward(self, x, feat):
+        return self.stack(x, feat)
+
+
+def test_a_model_declaring_no_gradient_checkpointing_is_refused_unless_blocks_are_named():
+    model = Unsupported()
+    with pytest.raises(ValueError, match=r"Unsupported._supports_gradient_checkpointing = False"):
+        prime_ac.checkpoint_blocks(model)
+    with pytest.raises(ValueError, match=r"blocks=\['stack.layers'\]"):
+        prime_ac.find_blocks(model)
+    assert prime_ac.unwrap_blocks(model) == []
+    assert prime_ac.checkpoint_blocks(model, blocks="stack.layers") == [
+        f"stack.layers.{i}" for i in range(3)
+    ]

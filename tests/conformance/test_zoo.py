@@ -107,3 +107,44 @@ def test_layers_under_torch_checkpoint_wrapper_are_refused_and_the_model_left_as
         prime_ac.checkpoint_blocks(model, blocks=lambda name, m: isinstance(m, layer))
     assert list(model.state_dict()) == keys and prime_ac.unwrap_blocks(model) == []
     case.loss(model, batch).backward()  # still trains under its own wrapper
+
+
+def _wan_vae():
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(0)
+    model = AutoencoderKLWan(
+        base_dim=8,
+        z_dim=4,
+        dim_mult=[1, 2],
+        num_res_blocks=1,
+        temperal_downsample=[True],
+        attn_scales=[],
+    ).train()
+    return model, torch.randn(1, 3, 5, 16, 16, generator=torch.Generator().manual_seed(1))
+
+
+def _vae_steps(model, x):
+    losses = []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        loss = model(x).sample.square().mean()
+        loss.backward()
+        losses.append(loss.detach())
+    return losses, {name: p.grad for name, p in model.named_parameters()}
+
+
+def test_the_wan_vae_is_refused_by_discovery_and_trains_exactly_with_its_blocks_named():
+    """AutoencoderKLWan declares _supports_gradient_checkpointing = False: its blocks get
+    feat_cache and feat_idx lists that they change in place. Named, they train bitwise."""
+    plain, x = _wan_vae()
+    with pytest.raises(ValueError, match=r"AutoencoderKLWan._supports_gradient_checkpointing"):
+        prime_ac.checkpoint_blocks(copy.deepcopy(plain))
+    losses0, grads0 = _vae_steps(copy.deepcopy(plain), x)
+    for mode in ("full", "selective"):
+        model = copy.deepcopy(plain)
+        blocks = ["encoder.down_blocks", "decoder.up_blocks"]
+        prime_ac.checkpoint_blocks(model, mode=mode, blocks=blocks)
+        losses, grads = _vae_steps(model, x)
+        assert all(torch.equal(a, b) for a, b in zip(losses, losses0, strict=True)), mode
+        assert not _differing(grads0, grads), f"{mode}: gradients differ"
