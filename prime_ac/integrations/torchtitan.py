@@ -19,6 +19,12 @@ or the same settings as a config table, and gives each its meaning on prime_ac:
   save the most replay within that memory (a fraction of the whole model's no-AC activation
   memory, measured on one step of ``profile``), in eager and compiled code alike.
 
+The targets built from torchtitan's list (translations, every device's kernels, optional
+backends) are the adapter's (:func:`prime_ac.tables.supplied`): the first step never reports
+them as matching nothing, so ``strict=True`` raises only for what a ``SelectiveAC`` subclass
+adds to the list. Importing this module registers :func:`config_from_table` with
+:mod:`prime_ac.tables`, which imports it when ``ACConfig.from_dict`` meets a torchtitan table.
+
 Blocks are torchtitan's: the children of ``model.layers``. Applying again replaces the
 settings; ``None`` stops checkpointing.
 """
