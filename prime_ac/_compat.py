@@ -222,6 +222,14 @@ def schema_is_mutable(op: Any) -> bool:
     return isinstance(op, OpOverload) and op._schema.is_mutable
 
 
+def returns_alias(op: Any) -> bool:
+    """True when ``op``'s schema returns a view of an argument it does not write (``view``,
+    ``t``, ``split``): its result shares the argument's storage."""
+    return isinstance(op, OpOverload) and any(
+        r.alias_info is not None and not r.alias_info.is_write for r in op._schema.returns
+    )
+
+
 def returns_nothing(op: Any) -> bool:
     """True when ``op``'s schema returns nothing (``-> ()``, an out= custom op's)."""
     return isinstance(op, OpOverload) and not op._schema.returns

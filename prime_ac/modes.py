@@ -78,8 +78,9 @@ class Rules:
         written = _compat.written_arguments(op)
         if written != ():
             self.writes[op] = written
-        if self._classify is None:
-            return Action.ASK
+        if self._classify is None:  # a policy callable: asked for every call but of views,
+            # which replay (a view kept apart from its base would miss writes to the base)
+            return _REPLAY if _compat.returns_alias(op) else Action.ASK
         action = self._classify(op)
         if action is _REPLAY and op in self.plan and written == ():
             return Action.PLANNED

@@ -12,7 +12,7 @@ from typing import Any, Literal
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from prime_ac._compat import returns_nothing, schema_is_mutable
+from prime_ac._compat import returns_alias, returns_nothing, schema_is_mutable
 from prime_ac.actions import Action
 from prime_ac.scopes import ScopeRules, split_targets
 from prime_ac.targets import (
@@ -48,7 +48,9 @@ class OperatorPolicy:
     The decision for an operator overload is computed once and cached, so the policy costs a
     dictionary lookup per op in eager mode. Mandatory operators are MUST_SAVE in every mode;
     targets are MUST_SAVE in the modes that keep targets unless their schema mutates an argument
-    (a cached result would skip the write on recompute); everything else is PREFER_RECOMPUTE. A
+    (a cached result would skip the write on recompute); everything else is PREFER_RECOMPUTE, views
+    (``view``, ``t``, ``split``: results that alias an argument) included, so that in the recompute
+    a view shares its base's storage as it did in the forward. A
     target that returns nothing and writes its arguments (an out= GEMM) is KEEP_WRITTEN: prime_ac's
     eager regions keep what it wrote; torch's SAC (compiled regions) recomputes it.
     """
@@ -76,6 +78,8 @@ class OperatorPolicy:
         return decision
 
     def _decide(self, op: Any) -> Action:
+        if returns_alias(op):  # a view: kept apart from its base, a write through it would miss
+            return Action.REPLAY  # the recomputed base; replayed, it costs no FLOP
         key = operator_key(op)
         if self.mandatory.matches(key):
             return Action.MANDATORY

@@ -7,7 +7,8 @@ other shapes) raises :class:`ReplayMismatchError` before a wrong tensor reaches 
 
 Copy on write: when an operator writes in place to a storage that holds a kept result (views
 included), the kept result is replaced by a copy taken just before the write, so the recompute
-receives the value the forward saw. A kept result modified where no mode sees it (after the
+receives the value the forward saw; kept results sharing that storage get views of one copy, so
+they stay one storage in the recompute. A kept result modified where no mode sees it (after the
 block returned) cannot be recovered and raises :class:`KeptOutputMutatedError` in the backward.
 """
 
@@ -148,16 +149,26 @@ class RegionStore:
                 held.append((op, index))
 
     def copy_before_write(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Replace every kept result sharing a storage with ``tensors`` by a copy of it."""
+        """Replace every kept result sharing a storage with ``tensors`` by a copy of it.
+
+        Kept results sharing one storage get views of one copy, so that in the recompute a write
+        through one of them reaches the others, as it did in the forward."""
         for t in tensors:
             sid = _compat.storage_id(t)
-            for op, index in self.held.pop(sid, ()):
+            places = [
+                (op, index, i)
+                for op, index in dict.fromkeys(self.held.pop(sid, ()))
+                for i, leaf in enumerate(self.entries[op][index].tensors)
+                if isinstance(leaf, torch.Tensor) and _compat.storage_id(leaf) == sid
+            ]
+            leaves = [self.entries[op][index].tensors[i] for op, index, i in places]
+            if not leaves:
+                continue
+            copies = [self._copy(leaves[0])] if len(leaves) == 1 else self._copy_shared(leaves)
+            for (op, index, i), copy in zip(places, copies, strict=True):
                 kept = self.entries[op][index]
-                for i, leaf in enumerate(kept.tensors):
-                    if isinstance(leaf, torch.Tensor) and _compat.storage_id(leaf) == sid:
-                        kept.tensors[i] = copy = self._copy(leaf)
-                        kept.versions[i] = _compat.version(copy)
-                        self._hold(copy, op, index)
+                kept.tensors[i], kept.versions[i] = copy, _compat.version(copy)
+                self._hold(copy, op, index)
 
     def _copy(self, t: torch.Tensor) -> torch.Tensor:
         copy = t.clone()
@@ -168,6 +179,24 @@ class RegionStore:
         self.copies += 1
         self.copied_bytes += copy.untyped_storage().nbytes()
         return copy
+
+    def _copy_shared(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Views of one copy of the bytes ``leaves`` (tensors of one storage) span."""
+        align = max(leaf.element_size() for leaf in leaves)
+        spans = [_byte_span(leaf) for leaf in leaves]
+        start = min(first for first, _ in spans) // align * align
+        end = max(last for _, last in spans)
+        source = torch.empty(0, dtype=torch.uint8, device=leaves[0].device)
+        source.set_(leaves[0].untyped_storage(), start, (end - start,), (1,))
+        storage = source.clone().untyped_storage()
+        self.copies += 1
+        self.copied_bytes += end - start
+        views = []
+        for leaf in leaves:
+            offset = (leaf.storage_offset() * leaf.element_size() - start) // leaf.element_size()
+            view = torch.empty(0, dtype=leaf.dtype, device=leaf.device)
+            views.append(view.set_(storage, offset, leaf.size(), leaf.stride()))
+        return views
 
     def forward_done(self) -> None:
         self.held = {}  # only writes inside the forward are copied
@@ -231,6 +260,15 @@ class RegionStore:
             "forward), and data-dependent control flow or global state that changed between "
             "forward and backward."
         )
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """The first and one past the last byte of its storage that ``t`` can address."""
+    first = t.storage_offset() * t.element_size()
+    if t.numel() == 0:
+        return first, first
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.size(), t.stride()))
+    return first, first + extent * t.element_size()
 
 
 def _shapes(shapes: tuple) -> str:
