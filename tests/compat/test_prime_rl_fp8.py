@@ -1,0 +1,243 @@
+"""prime-rl's calls of its FP8 GEMM ops and its routing telemetry, made as prime-rl makes them.
+
+Contract (the newest versions in the search index; the index names no commit for them):
+prime-rl ``src/prime_rl/trainer/models/layers/fp8_linear.py`` (``prime_rl::fp8_blockwise_mm``
+with ``wgrad_key``, ``x_fp8``, ``x_sf``; its ``_backward`` with ``needs_grad_x/weight``;
+``Float8BlockwiseLinear`` and ``fp8_clamped_swiglu_mlp`` call it), ``fp8_grouped_gemm.py``
+(``prime_rl::grouped_fp8_gemm(x, weight [G, K, N], offs)``, "a drop-in replacement for
+torch._grouped_mm") and the MoE layer's ``record_moe_routing_statistics`` (``MoE.forward``).
+References are plain PyTorch in float64: the exact product (FP8 error bounded by norms), or the
+product of the FP8 operands prime-rl hands over, dequantized by their definition.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import prime_ops  # noqa: F401  (registers the ops)
+from prime_ops import fp8
+
+OPS = torch.ops.prime_rl
+# prime-rl's arguments (torch infers SymInt from ``int``), then prime_ops' extras with defaults.
+PRIME_RL_SCHEMAS = {
+    "fp8_blockwise_mm": (
+        "Tensor x, Tensor weight, SymInt block_size, SymInt wgrad_key=0, Tensor? x_fp8=None, "
+        "Tensor? x_sf=None"
+    ),
+    "fp8_blockwise_mm_backward": (
+        "Tensor grad_output, Tensor x, Tensor weight, SymInt block_size, bool needs_grad_x, "
+        "bool needs_grad_weight, SymInt wgrad_key=0"
+    ),
+    "grouped_fp8_gemm": "Tensor x, Tensor weight, Tensor offs",
+    "grouped_fp8_gemm_backward": (
+        "Tensor grad_output, Tensor x, Tensor weight, Tensor offs, bool needs_grad_x, "
+        "bool needs_grad_weight"
+    ),
+    "record_moe_routing_statistics": (
+        "Tensor(a0!) tokens_per_expert, Tensor(a1!) routing_confidence_sum, "
+        "Tensor token_counts, Tensor confidence"
+    ),
+}
+RETURNS = {
+    "fp8_blockwise_mm": "Tensor",
+    "fp8_blockwise_mm_backward": "(Tensor, Tensor)",
+    "grouped_fp8_gemm": "Tensor",
+    "grouped_fp8_gemm_backward": "(Tensor, Tensor)",
+    "record_moe_routing_statistics": "()",
+}
+
+
+def test_schemas_have_prime_rls_arguments_first():
+    for name, arguments in PRIME_RL_SCHEMAS.items():
+        schema = str(getattr(OPS, name).default._schema)
+        ours, returns = schema.split("(", 1)[1].rsplit(") -> ", 1)
+        ours, theirs = ours.split(", "), arguments.split(", ")
+        assert ours[: len(theirs)] == theirs, name
+        assert all("=" in extra for extra in ours[len(theirs) :]), name
+        assert returns == RETURNS[name], name
+
+
+def _relative_error(got, exact):
+    return ((got.double() - exact).norm() / exact.norm()).item()
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+# --- fp8_linear.py ----------------------------------------------------------------------------
+
+
+def _linear_case(seed=0):
+    gen = _gen(seed)
+    x = torch.randn(2, 3, 256, generator=gen).bfloat16().requires_grad_()
+    weight = (torch.randn(384, 256, generator=gen) / 16).bfloat16().requires_grad_()
+    return x, weight
+
+
+def test_float8_blockwise_linear_forward_and_backward():
+    """``Float8BlockwiseLinear.forward``: ``_fp8_blockwise_mm(x, self.weight, self.block_size,
+    self.wgrad_key)`` with a 3-D bf16 ``x``, ``block_size`` 128 and ``wgrad_key`` 0."""
+    x, weight = _linear_case()
+    out = OPS.fp8_blockwise_mm(x, weight, 128, 0)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 3, 384)
+    xd, wd = x.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    exact = xd @ wd.T
+    assert _relative_error(out, exact) < 0.05
+    grad = torch.randn(out.shape, generator=_gen(1)).bfloat16()
+    out.backward(grad)
+    exact.backward(grad.double())
+    assert x.grad.dtype == torch.bfloat16 and weight.grad.dtype == torch.bfloat16
+    assert _relative_error(x.grad, xd.grad) < 0.05
+    assert _relative_error(weight.grad, wd.grad) < 0.05
+
+
+def test_backward_op_called_as_the_autograd_formula_calls_it():
+    """``_fp8_blockwise_mm_autograd_backward``: the backward op with ``needs_grad_x`` /
+    ``needs_grad_weight`` from ``ctx.needs_input_grad``; a gradient not asked for is skipped."""
+    x, weight = (t.detach() for t in _linear_case())
+    grad = torch.randn(2, 3, 384, generator=_gen(1)).bfloat16()
+    gx, gw = OPS.fp8_blockwise_mm_backward(grad, x, weight, 128, True, True, 0)
+    only_x = OPS.fp8_blockwise_mm_backward(grad, x, weight, 128, True, False, 0)
+    only_w = OPS.fp8_blockwise_mm_backward(grad, x, weight, 128, False, True, 0)
+    assert torch.equal(only_x[0], gx) and torch.equal(only_w[1], gw)
+    assert gx.shape == x.shape and gw.shape == weight.shape
+    exact_x = grad.double() @ weight.double()
+    assert _relative_error(gx, exact_x) < 0.05
+
+
+def test_accumulate_wgrad_fp32():
+    """``Float8BlockwiseLinear.accumulate_wgrad_fp32``: with an accumulator for the module's key
+    the weight gets no gradient and the fp32 buffer receives each micro-batch's product."""
+    x, weight = _linear_case()
+    plain = OPS.fp8_blockwise_mm(x, weight, 128, 0)
+    grad = torch.randn(plain.shape, generator=_gen(1)).bfloat16()
+    plain.backward(grad)
+    bf16_grad, weight.grad = weight.grad, None
+    buffer = torch.zeros(weight.shape)
+    key = id(buffer)
+    fp8.accumulate_wgrad_fp32(key, lambda: buffer)
+    try:
+        for _ in range(2):  # two micro-batches
+            OPS.fp8_blockwise_mm(x, weight, 128, key).backward(grad)
+    finally:
+        fp8.accumulate_wgrad_fp32(key, None)
+    assert weight.grad is None
+    single = buffer / 2  # both micro-batches added the same fp32 product
+    assert torch.equal(single.bfloat16(), bf16_grad)  # the bf16 gradient is that product rounded
+
+
+def _per_token_cast(t):
+    """The activation cast prime-rl's producers store (``clamped_swiglu_fp8``): 1x128 blocks,
+    scale amax / 448, float8_e4m3fn, scales transposed to [K / 128, tokens padded to 4]."""
+    rows, cols = t.shape
+    blocks = t.float().view(rows, cols // 128, 128)
+    scale = blocks.abs().amax(-1).clamp(min=1e-12) / 448.0
+    q = (blocks / scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(rows, cols)
+    sf = torch.zeros(cols // 128, (rows + 3) // 4 * 4)
+    sf[:, :rows] = scale.T
+    return q, sf
+
+
+def test_fp8_clamped_swiglu_mlp_hands_over_its_cast():
+    """``fp8_clamped_swiglu_mlp``: ``_fp8_blockwise_mm(h, down_proj.weight, block_size,
+    wgrad_key, h_fp8, h_sf)``; the forward multiplies the given cast, the backward reads ``h``."""
+    gen = _gen(2)
+    h = torch.randn(6, 256, generator=gen).bfloat16().requires_grad_()
+    weight = (torch.randn(128, 256, generator=gen) / 16).bfloat16().requires_grad_()
+    h_fp8, h_sf = _per_token_cast(h.detach() * 1.5)  # a cast of other values: it must be used
+    out = OPS.fp8_blockwise_mm(h, weight, 128, 0, h_fp8, h_sf)
+    given = h_fp8.double() * h_sf[:, :6].T.double().repeat_interleave(128, 1)
+    w_blocks = weight.detach().double().view(1, 128, 2, 128)
+    w_scale = (w_blocks.abs().amax((1, 3), keepdim=True).float() / 448.0).double()
+    w_q = (w_blocks / w_scale).clamp(-448, 448).to(torch.float8_e4m3fn).double() * w_scale
+    ref = given @ w_q.view(128, 256).T
+    torch.testing.assert_close(out.double(), ref, rtol=8e-3, atol=1e-3)
+    grad = torch.randn(out.shape, generator=gen).bfloat16()
+    out.backward(grad)
+    h2 = h.detach().requires_grad_()
+    OPS.fp8_blockwise_mm(h2, weight.detach(), 128, 0).backward(grad)
+    assert torch.equal(h.grad, h2.grad)
+
+
+@pytest.mark.slow
+def test_compiled_fullgraph_matches_eager():
+    """prime-rl compiles its decoder layers: the op traces whole, forward and backward."""
+    x, weight = _linear_case()
+    grad = torch.randn(2, 3, 384, generator=_gen(1)).bfloat16()
+
+    def layer(x, weight):
+        return torch.relu(OPS.fp8_blockwise_mm(x, weight, 128, 0))
+
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    out = compiled(x, weight)
+    out.backward(grad)
+    grads = x.grad, weight.grad
+    x.grad = weight.grad = None
+    eager = layer(x, weight)
+    eager.backward(grad)
+    assert torch.equal(out, eager)
+    assert torch.equal(grads[0], x.grad) and torch.equal(grads[1], weight.grad)
+
+
+# --- fp8_grouped_gemm.py ------------------------------------------------------------------------
+
+
+def test_grouped_fp8_gemm_is_grouped_mm():
+    """``grouped_fp8_gemm(x, weight, offs)``: ``x [M, K]``, ``weight [G, K, N]``, int32
+    cumulative ``offs``, as ``torch._grouped_mm`` takes them; an empty group included."""
+    gen = _gen(3)
+    counts = (3, 0, 5)
+    x = torch.randn(sum(counts), 128, generator=gen).bfloat16().requires_grad_()
+    weight = (torch.randn(3, 128, 256, generator=gen) / 8).bfloat16().requires_grad_()
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    out = OPS.grouped_fp8_gemm(x, weight, offs)
+    assert out.shape == (8, 256) and out.dtype == torch.bfloat16
+    xd, wd = x.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    groups = torch.repeat_interleave(torch.arange(3), torch.tensor(counts))
+    exact = torch.einsum("mk,mkn->mn", xd, wd[groups])
+    assert _relative_error(out, exact) < 0.05
+    grad = torch.randn(out.shape, generator=gen).bfloat16()
+    out.backward(grad)
+    exact.backward(grad.double())
+    assert _relative_error(x.grad, xd.grad) < 0.05
+    nonempty = [0, 2]
+    assert _relative_error(weight.grad[nonempty], wd.grad[nonempty]) < 0.05
+    assert torch.all(weight.grad[1] == 0)
+
+
+# --- the MoE layer: routing telemetry ----------------------------------------------------------
+
+
+def _router_outputs(gen, tokens=10, experts=4, top_k=2):
+    scores = torch.rand(tokens, experts, generator=gen).softmax(-1)
+    top_scores, selected = torch.topk(scores, top_k)
+    counts = torch.histc(selected.reshape(-1).float(), bins=experts, min=0, max=experts)
+    return top_scores.sum(), counts.to(torch.int64), selected
+
+
+def test_moe_forward_records_routing_statistics():
+    """``MoE.forward``: under ``torch.no_grad()``, ``record_moe_routing_statistics(
+    self.tokens_per_expert, self.routing_confidence_sum, num_tokens_per_expert,
+    routing_confidence_sum)`` with fp32 buffers and int64 ``histc`` counts; eager and compiled
+    (fullgraph) each count once per call."""
+    tokens_per_expert = torch.zeros(4, dtype=torch.float32)
+    routing_confidence_sum = torch.tensor(0.0, dtype=torch.float32)
+
+    def record(confidence, counts):
+        with torch.no_grad():
+            OPS.record_moe_routing_statistics(
+                tokens_per_expert, routing_confidence_sum, counts, confidence
+            )
+
+    compiled = torch.compile(record, fullgraph=True, backend="aot_eager")
+    gen = _gen(4)
+    expected_counts, expected_sum = torch.zeros(4, dtype=torch.float64), 0.0
+    for step in range(4):
+        confidence, counts, selected = _router_outputs(gen)
+        (record if step % 2 else compiled)(confidence, counts)
+        expected_counts += torch.bincount(selected.flatten(), minlength=4).double()
+        expected_sum += confidence.item()
+    assert torch.equal(tokens_per_expert.double(), expected_counts)
+    assert abs(routing_confidence_sum.item() - expected_sum) < 1e-5
