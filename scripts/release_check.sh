@@ -4,7 +4,9 @@
 # 1. python -m build (sdist and wheel) and twine check --strict, with the tools in .venv-release;
 # 2. the wheel installed into a fresh venv (torch==2.13.0 first, then the wheel with torch
 #    pinned), imported from outside the checkout with both __version__ equal to the project's
-#    version and no warning, and the README's "prime_ac in one page" example run there;
+#    version and no warning, and the README's "prime_ac in one page" example run there; then
+#    what a pip user is told to run (scripts/pip_user_check.sh): the README's Quick start
+#    commands from outside the checkout, and every python block of the docs alone, there;
 # 3. pip resolves the `all` and `conformance` extras, and `all-cu12`, on this CPU machine
 #    (--dry-run --report: the kernel wheels are fetched to read their metadata, about 0.6 GB,
 #    never installed), and each set holds packages of one CUDA major only (13, resp. 12);
@@ -59,6 +61,7 @@ if grep -i warn "$work/import.err"; then
     echo "the installed package warns (above)" >&2
     exit 1
 fi
+bash "$root/scripts/pip_user_check.sh" "$work/venv/bin/python"
 
 step "3. the extras resolve on this machine, each to one CUDA major"
 # A package belongs to a CUDA major by a -cuNN suffix, or, for CUDA's own components (which drop
