@@ -109,6 +109,10 @@ class AuditReport:
     # blocks that run without checkpointing since their first step held at least what no AC
     # holds for them (checkpoint_blocks' skip_worse): block -> the bytes that step measured
     blocks_bypassed: dict[str, str] = field(default_factory=dict)
+    # blocks whose parameters got gradients while none of their forwards ran with gradients
+    # enabled: something else (Reformer's reversible layers) recomputes them in backward, so
+    # checkpointing them saves nothing (the same bytes in every mode)
+    blocks_saving_nothing: list[str] = field(default_factory=list)
 
     def blocks_worse_than_no_ac(self) -> list[str]:
         """Blocks whose kept results reach what no AC would hold for them, by the first step's
@@ -210,6 +214,9 @@ class AuditReport:
             + (", ".join(self.blocks_worse_than_no_ac()) or "none"),
             "blocks run without checkpointing since their first step held at least what no AC "
             "holds: " + (", ".join(self.blocks_bypassed) or "none"),
+            "blocks whose checkpointing saves nothing (they run without gradients, and backward "
+            "recomputes them itself, as reversible layers do): "
+            + (", ".join(self.blocks_saving_nothing) or "none"),
         ]
         return "\n".join(lines)
 
@@ -226,6 +233,7 @@ class _Recorder:
         self.seen: set[Any] = set()
         self.scopes = ScopeTracker()  # hooks on the blocks while recording: each call's module
         self.kept_bytes: dict[str, int] = {}  # block -> bytes of its kept results
+        self.with_grad: set[str] = set()  # blocks that ran a checkpointed forward with gradients
 
     def record(self, block: str, op: Any, decision: str) -> OpRecord:
         # a budget plan can keep some calls of an overload and replay others: one row each
@@ -319,6 +327,8 @@ def _recording_contexts(state: BlockCheckpoint, recorder: _Recorder):
     inner = state.context_fn
 
     def contexts():
+        if torch.is_grad_enabled():
+            recorder.with_grad.add(state.name)
         keep, _ = inner()  # the rules in effect, exactly as the block would use them
         store = RegionStore(f"block {state.name!r}")
         return (
@@ -392,6 +402,13 @@ def audit(model: nn.Module, loss_fn: LossFn) -> AuditReport:
         recorder = _Recorder()
         with _recording(blocks, recorder), recorder.scopes.tracking(b for _, b in blocks):
             held, _ = track_step_by_device(model, loss_fn)
+        saving_nothing = [
+            name
+            for name, block in blocks
+            if name not in recorder.with_grad
+            and not checkpoint_state(block).bypassed
+            and any(p.grad is not None for p in block.parameters())
+        ]
     state = checkpoint_state(blocks[0][1])
     policy = state.policy
     mode = "auto" if state.plan is not None else policy.mode
@@ -423,4 +440,5 @@ def audit(model: nn.Module, loss_fn: LossFn) -> AuditReport:
             for name, block in blocks
             if checkpoint_state(block).bypassed
         },
+        blocks_saving_nothing=saving_nothing,
     )

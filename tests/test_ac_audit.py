@@ -274,3 +274,66 @@ def test_audit_names_a_bad_loss_fn(loss_fn, message):
     prime_ac.checkpoint_blocks(model, mode="full")
     with pytest.raises(TypeError, match=message):
         prime_ac.audit(model, loss_fn)
+
+
+class _Recomputing(torch.autograd.Function):
+    """Runs the layers without gradients and recomputes their bodies itself in backward, from
+    the saved input (the structure of Reformer's reversible layers)."""
+
+    @staticmethod
+    def forward(ctx, x, layers):
+        ctx.save_for_backward(x)
+        ctx.layers = layers
+        for layer in layers:
+            x = layer(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_()
+            y = x
+            for layer in ctx.layers:
+                y = layer.body(y)
+            y.backward(grad)
+        return x.grad, None
+
+
+class _Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+
+    def forward(self, x):
+        return self.body(x)
+
+
+class _SelfRecomputing(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(_Layer() for _ in range(2))
+
+    def forward(self, x):
+        return _Recomputing.apply(x, self.layers)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_blocks_whose_checkpointing_saves_nothing_are_reported(mode):
+    torch.manual_seed(0)
+    plain, x = _SelfRecomputing(), torch.randn(4, 16, requires_grad=True)
+    plain(x).square().sum().backward()
+    model = copy.deepcopy(plain)
+    model.zero_grad(set_to_none=True)
+    prime_ac.checkpoint_blocks(model, mode=mode)
+    report = prime_ac.audit(model, lambda m: m(x).square().sum())
+    assert report.blocks_saving_nothing == ["layers.0", "layers.1"]
+    assert report.held_bytes == report.held_bytes_no_ac
+    assert "blocks whose checkpointing saves nothing (they run" in str(report)
+    model(x).square().sum().backward()
+    assert_bitwise_equal(grads(model), grads(plain))
+
+    blocks = build_model("dense", n_layers=2)  # blocks that checkpoint: nothing reported
+    prime_ac.checkpoint_blocks(blocks, mode=mode)
+    tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    assert prime_ac.audit(blocks, lambda m: m.loss(tokens)).blocks_saving_nothing == []

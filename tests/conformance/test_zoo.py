@@ -148,3 +148,34 @@ def test_the_wan_vae_is_refused_by_discovery_and_trains_exactly_with_its_blocks_
         losses, grads = _vae_steps(model, x)
         assert all(torch.equal(a, b) for a, b in zip(losses, losses0, strict=True)), mode
         assert not _differing(grads0, grads), f"{mode}: gradients differ"
+
+
+def test_reformers_reversible_layers_are_reported_as_saving_nothing():
+    """Reformer runs its layers inside its reversible autograd function, without gradients, and
+    recomputes them in backward itself: checkpointing them saves nothing, and the audit says so."""
+    import transformers
+
+    config = transformers.ReformerConfig(
+        vocab_size=128,
+        hidden_size=32,
+        num_attention_heads=2,
+        attention_head_size=16,
+        feed_forward_size=64,
+        attn_layers=["local", "local"],
+        axial_pos_embds=False,
+        max_position_embeddings=64,
+        local_attn_chunk_length=4,
+        is_decoder=True,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        local_attention_probs_dropout_prob=0.0,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = transformers.ReformerModelWithLMHead(config).train()
+    ids = torch.randint(1, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    wrapped = prime_ac.checkpoint_blocks(model, mode="full")
+    report = prime_ac.audit(model, lambda m: m(input_ids=ids, labels=ids).loss)
+    assert wrapped == [f"reformer.encoder.layers.{i}" for i in (0, 1)]
+    assert report.blocks_saving_nothing == wrapped
+    assert report.held_bytes == report.held_bytes_no_ac
