@@ -594,6 +594,7 @@ def _grouped_fp8_gemm(
     x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, ue8m0: bool | None = None
 ) -> torch.Tensor:
     _check_grouped(x, weight, offs)
+    check_offsets_values(offs, x.shape[0], name="offs")
     ue8m0 = _resolve_ue8m0(ue8m0, x.device)
     return _grouped_nt(x, weight.transpose(1, 2), offs, x.dtype, ue8m0)
 

@@ -394,95 +394,95 @@ def test_fp8_chain_and_kernel_identical_property(rows, cols, data, block_rows, u
         _same_bits(native_bits, _chain(x, block_rows, ue8m0, m))
 
 
-# --- the FP8 GEMM ops, raw --------------------------------------------------------------------
+# --- the FP8 GEMM ops and the routing telemetry, raw -----------------------------------------
+#
+# Each case: (name, op, args, message). The schemas are prime-rl's (tests/compat): block_size
+# and the needs_grad flags are passed as prime-rl passes them.
 
-
+_X, _W = torch.randn(2, 128), torch.randn(128, 128)
+_Q8, _SF = torch.zeros(2, 128, dtype=fp8.FP8_DTYPE), torch.ones(1, 4)
+_W3, _OFFS = torch.randn(2, 128, 128), torch.tensor([3, 4], dtype=torch.int32)
 FP8_CASES = [
-    ("fp8_blockwise_mm", (torch.randn(2, 100), torch.randn(128, 100)), "not a multiple of 128"),
-    (
-        "fp8_blockwise_mm",
-        (torch.randn(2, 128).double(), torch.randn(128, 128)),
-        "x must be bfloat16, float16 or float32",
-    ),
-    ("fp8_blockwise_mm", (torch.randn(2, 128), torch.randn(128, 256)), "with the same K"),
-    (
-        "fp8_blockwise_mm_backward",
-        (torch.randn(3, 128), torch.randn(2, 128), torch.randn(128, 128)),
-        r"grad must have shape \[M, N\] = \[2, 128\] .*got \[3, 128\]",
-    ),
-    (
-        "grouped_fp8_gemm",
-        (torch.randn(4, 128), torch.randn(2, 128, 128), torch.tensor([1, 5], dtype=torch.int32)),
-        "finish at the row count of x",
-    ),
-    (
-        "grouped_fp8_gemm",
-        (torch.randn(4, 128), torch.randn(2, 128, 128), torch.tensor([3, 1], dtype=torch.int32)),
-        "non-decreasing",
-    ),
-    (
-        "grouped_fp8_gemm_backward",
-        (
-            torch.randn(4, 128),
-            torch.randn(4, 128),
-            torch.randn(2, 128, 128),
-            torch.tensor([3, 9], dtype=torch.int32),
-        ),
-        "finish at the row count of x",
-    ),
-    (
-        "grouped_fp8_gemm_backward",
-        (
-            torch.randn(4, 256),
-            torch.randn(4, 128),
-            torch.randn(2, 128, 128),
-            torch.tensor([3, 4], dtype=torch.int32),
-        ),
-        r"grad must have shape \[M, N\] = \[4, 128\] .*got \[4, 256\]",
-    ),
-]
+    ("K not a multiple of 128", "fp8_blockwise_mm",
+     (torch.randn(2, 100), torch.randn(128, 100), 128), "not a multiple of 128"),
+    ("x float64", "fp8_blockwise_mm",
+     (_X.double(), _W, 128), "x must be bfloat16, float16 or float32"),
+    ("x and weight disagree on K", "fp8_blockwise_mm",
+     (_X, torch.randn(128, 256), 128), "with the same K"),
+    ("block_size 64", "fp8_blockwise_mm", (_X, _W, 64), "block_size must be 128 .*got 64"),
+    ("x_fp8 without x_sf", "fp8_blockwise_mm",
+     (_X, _W, 128, 0, _Q8), "x_fp8 and x_sf come together .*got only x_fp8"),
+    ("x_fp8 of another shape", "fp8_blockwise_mm",
+     (_X, _W, 128, 0, _Q8[:1], _SF), r"x_fp8 has shape \(1, 128\) but x is \(2, 128\)"),
+    ("x_sf too short", "fp8_blockwise_mm",
+     (_X, _W, 128, 0, _Q8, _SF[:, :1]), r"x_sf has shape \(1, 1\) .*\[1, >= 2\]"),
+    ("x_sf float64", "fp8_blockwise_mm",
+     (_X, _W, 128, 0, _Q8, _SF.double()), "x_sf must be float32"),
+    ("out_dtype int32", "fp8_blockwise_mm",
+     (_X, _W, 128, 0, None, None, None, torch.int32), "out_dtype must be torch.bfloat16.*int32"),
+    ("backward: grad_output of another shape", "fp8_blockwise_mm_backward",
+     (torch.randn(3, 128), _X, _W, 128, True, True),
+     r"grad_output must have the forward output's shape \[2, 128\], got \[3, 128\]"),
+    ("backward: block_size 256", "fp8_blockwise_mm_backward",
+     (torch.randn(2, 128), _X, _W, 256, True, True), "block_size must be 128"),
+    ("offs past the rows", "grouped_fp8_gemm",
+     (torch.randn(4, 128), _W3, torch.tensor([1, 5], dtype=torch.int32)),
+     "offs must be .*finish at the row count of x"),
+    ("offs decreasing", "grouped_fp8_gemm",
+     (torch.randn(4, 128), _W3, torch.tensor([3, 1], dtype=torch.int32)), "non-decreasing"),
+    ("offs int64", "grouped_fp8_gemm",
+     (torch.randn(4, 128), _W3, torch.tensor([3, 4])), "offs must be a 1-D int32 tensor of 2"),
+    ("weight [G, N, K] (not torch._grouped_mm's [G, K, N])", "grouped_fp8_gemm",
+     (torch.randn(4, 128), torch.randn(2, 256, 128), _OFFS), r"weight \[G, K, N\]"),
+    ("backward: offs past the rows", "grouped_fp8_gemm_backward",
+     (torch.randn(4, 128), torch.randn(4, 128), _W3, torch.tensor([3, 9], dtype=torch.int32),
+      True, True), "finish at the row count of x"),
+    ("backward: grad_output of another shape", "grouped_fp8_gemm_backward",
+     (torch.randn(4, 256), torch.randn(4, 128), _W3, _OFFS, True, True),
+     r"grad_output must have the forward output's shape \[4, 128\], got \[4, 256\]"),
+]  # fmt: skip
 
 
 _Q, _KV = torch.randn(4, 8, 96), torch.randn(16, 1, 96)
 _IDX = torch.randint(-1, 16, (4, 1, 6), dtype=torch.int32)
 _MLA_BACKWARD = (_Q, _KV, _IDX, torch.randn(4, 8, 64), torch.randn(4, 8), 0.1, 64, "reference")
 OTHER_CASES = [
-    ("sparse_mla", (_Q, _KV, _IDX.long(), 0.1, 64, "reference"), "indices must be int32"),
-    ("sparse_mla", (_Q, _KV, _IDX, 0.1, 200, "reference"), r"d_v must be in \[1, d_qk=96\]"),
-    ("sparse_mla", (_Q, _KV, _IDX, float("inf"), 64, "reference"), "softmax_scale must be finite"),
-    ("sparse_mla", (_Q, _KV, _IDX[:2], 0.1, 64, "reference"), r"indices must be \[tokens"),
-    (
-        "sparse_mla_backward",
-        (torch.randn(4, 8, 32), *_MLA_BACKWARD),
-        r"dout must be torch.float32 \[4, 8, 64\] .*got torch.float32 \[4, 8, 32\]",
-    ),
-    (
-        "sparse_mla_backward",
-        (
-            torch.randn(4, 8, 64),
-            *_MLA_BACKWARD[:3],
-            torch.randn(4, 8, 64),
-            torch.randn(8, 4),
-            *_MLA_BACKWARD[5:],
-        ),
-        r"lse must be torch.float32 \[4, 8\]",
-    ),
-    (
-        "record_moe_routing_statistics",
-        (torch.zeros(4), torch.zeros(()), torch.ones(3), torch.ones(())),
-        r"token_counts has shape \(3,\) but tokens_per_expert has \(4,\)",
-    ),
-    (
-        "record_moe_routing_statistics",
-        (torch.zeros(4, dtype=torch.long), torch.zeros(()), torch.ones(4), torch.ones(())),
-        "token_counts is torch.float32, which tokens_per_expert",
-    ),
-]
+    ("int64 indices", "sparse_mla",
+     (_Q, _KV, _IDX.long(), 0.1, 64, "reference"), "indices must be int32"),
+    ("d_v above d_qk", "sparse_mla",
+     (_Q, _KV, _IDX, 0.1, 200, "reference"), r"d_v must be in \[1, d_qk=96\]"),
+    ("softmax_scale inf", "sparse_mla",
+     (_Q, _KV, _IDX, float("inf"), 64, "reference"), "softmax_scale must be finite"),
+    ("indices of other tokens", "sparse_mla",
+     (_Q, _KV, _IDX[:2], 0.1, 64, "reference"), r"indices must be \[tokens"),
+    ("backward: dout of another d_v", "sparse_mla_backward",
+     (torch.randn(4, 8, 32), *_MLA_BACKWARD),
+     r"dout must be torch.float32 \[4, 8, 64\] .*got torch.float32 \[4, 8, 32\]"),
+    ("backward: lse transposed", "sparse_mla_backward",
+     (torch.randn(4, 8, 64), *_MLA_BACKWARD[:3], torch.randn(4, 8, 64), torch.randn(8, 4),
+      *_MLA_BACKWARD[5:]),
+     r"lse must be torch.float32 \[4, 8\]"),
+    ("token_counts of other experts", "record_moe_routing_statistics",
+     (torch.zeros(4), torch.zeros(()), torch.ones(3), torch.ones(())),
+     r"token_counts has shape \(3,\) but tokens_per_expert has \(4,\)"),
+    ("float counts into an int64 counter", "record_moe_routing_statistics",
+     (torch.zeros(4, dtype=torch.long), torch.zeros(()), torch.ones(4), torch.ones(())),
+     "token_counts is torch.float32, which tokens_per_expert"),
+    # issue 31: torch said "more than one element of the written-to tensor refers to a single
+    # memory location"
+    ("expanded tokens_per_expert", "record_moe_routing_statistics",
+     (torch.zeros(1).expand(4), torch.zeros(()), torch.ones(4), torch.ones(())),
+     r"tokens_per_expert is an expanded view .*pass a tensor that owns its elements "
+     r"\(torch.zeros\(4\) or tokens_per_expert.clone\(\)\)"),
+    ("confidence not reduced", "record_moe_routing_statistics",
+     (torch.zeros(4), torch.zeros(()), torch.ones(4), torch.ones(5)),
+     r"confidence has shape \(5,\) but routing_confidence_sum has \(\)"),
+]  # fmt: skip
+OP_CASES = FP8_CASES + OTHER_CASES
 
 
-@pytest.mark.parametrize(
-    ("op", "args", "message"), FP8_CASES + OTHER_CASES, ids=[c[0] for c in FP8_CASES + OTHER_CASES]
-)
+@pytest.mark.parametrize(("op", "args", "message"), [c[1:] for c in OP_CASES],
+                         ids=[f"{c[1]}: {c[0]}" for c in OP_CASES])  # fmt: skip
 def test_python_ops_refuse_bad_input(op, args, message):
     with pytest.raises((ValueError, TypeError), match=message):
         getattr(OPS, op)(*args)
@@ -492,5 +492,127 @@ def test_every_prime_rl_op_has_bad_input_cases():
     """A new op in the namespace needs its cases here."""
     names = {n.split("::")[1] for n in torch._C._dispatch_get_all_op_names()
              if n.startswith("prime_rl::")}  # fmt: skip
-    covered = {c[0] for c in METADATA + VALUES + RAW_VALUES + FP8_CASES + OTHER_CASES}
+    covered = {c[0] for c in METADATA + VALUES + RAW_VALUES} | {c[1] for c in OP_CASES}
     assert names - covered == set()
+
+
+# --- FP8 Python entry points (issue 31: silent results) ----------------------------------------
+
+_A, _SA = fp8.quantize_blockwise(torch.ones(4, 256), 1)
+_B, _SB = fp8.quantize_blockwise(torch.ones(128, 256), 128)
+FP8_FUNCTION_CASES = [
+    ("dequantize: a scale of no layout of q", fp8.dequantize_blockwise,
+     (_A, torch.ones(3, 5)), r"scale has shape \(3, 5\) but q \(4, 256\) needs \(4, 2\) "
+     r"\(1x128 blocks\) or \(1, 2\) \(128x128 blocks\)"),
+    ("dequantize: float64 scale", fp8.dequantize_blockwise,
+     (_A, _SA.double()), "scale must be float32"),
+    ("dequantize: q not FP8", fp8.dequantize_blockwise,
+     (_A.float(), _SA), "q must be torch.float8_e4m3fn"),
+    ("fp8_gemm_nt: out_dtype int32", fp8.fp8_gemm_nt,
+     (_A, _SA, _B, _SB, torch.int32), r"out_dtype must be torch.bfloat16, torch.float16 or "
+     r"torch.float32 \(the fp32 product, rounded once\), got torch.int32"),
+    ("fp8_gemm_nt: out_dtype float64", fp8.fp8_gemm_nt,
+     (_A, _SA, _B, _SB, torch.float64), "out_dtype must be .*got torch.float64"),
+    ("fp8_gemm_nt: a_scale of another layout", fp8.fp8_gemm_nt,
+     (_A, _SA[:1], _B, _SB), r"a_scale has shape \(1, 2\) .*needs \(4, 2\)"),
+    ("fp8_gemm_nt: b_scale of another layout", fp8.fp8_gemm_nt,
+     (_A, _SA, _B, _SA), r"b_scale has shape \(4, 2\) .*needs \(1, 2\)"),
+    ("grouped_fp8_gemm_nt: out_dtype int32", fp8.grouped_fp8_gemm_nt,
+     (_A, _SA, _B[None], _SB[None], torch.tensor([4], dtype=torch.int32), torch.int32),
+     "out_dtype must be .*got torch.int32"),
+    ("grouped_fp8_gemm_nt: b_scale of another layout", fp8.grouped_fp8_gemm_nt,
+     (_A, _SA, _B[None], _SA[None], torch.tensor([4], dtype=torch.int32)),
+     r"b_scale has shape \(1, 4, 2\) .*needs \(1, 1, 2\)"),
+    ("accumulate_wgrad_fp32: key 0", fp8.accumulate_wgrad_fp32,
+     (0, lambda: None), "key must be a nonzero int .*got 0"),
+    ("accumulate_wgrad_fp32: not callable", fp8.accumulate_wgrad_fp32,
+     (3, torch.zeros(2)), "accumulator must be a callable"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("fn", "args", "message"), [c[1:] for c in FP8_FUNCTION_CASES],
+                         ids=[c[0] for c in FP8_FUNCTION_CASES])  # fmt: skip
+def test_fp8_functions_refuse_bad_input(fn, args, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        fn(*args)
+
+
+def test_wgrad_accumulator_of_another_shape_is_named():
+    x, w = torch.randn(2, 128, requires_grad=True), torch.randn(128, 128, requires_grad=True)
+    fp8.accumulate_wgrad_fp32(11, lambda: torch.zeros(3))
+    try:
+        out = OPS.fp8_blockwise_mm(x, w, 128, 11)
+        with pytest.raises(ValueError, match=r"accumulator of wgrad_key=11 returned .*\(3,\)"):
+            out.sum().backward()
+    finally:
+        fp8.accumulate_wgrad_fp32(11, None)
+
+
+# --- prime-rl's deepep ops: refused before any communication ----------------------------------
+
+
+class _OneOfTwoRanks:
+    """A group stand-in: every case below is refused before the buffer communicates."""
+
+    def size(self):
+        return 2
+
+    def rank(self):
+        return 0
+
+
+@pytest.fixture
+def reference_buffer(monkeypatch):
+    from prime_ops import deepep_prime_rl
+
+    monkeypatch.setattr(deepep_prime_rl, "_current", None)
+    deepep_prime_rl.create_buffer(_OneOfTwoRanks(), 16, backend="reference")
+
+
+_TOKENS = torch.zeros(3, 8, dtype=torch.bfloat16)
+_TOPK = torch.tensor([[0, 1], [2, 3], [1, 2]])
+_WEIGHTS = torch.full((3, 2), 0.5)
+DEEPEP_CASES = [
+    ("x float32", "dispatch", (_TOKENS.float(), _TOPK, _WEIGHTS, 4),
+     r"x must be a \[tokens, hidden\] bfloat16 tensor"),
+    ("hidden 4", "dispatch", (_TOKENS[:, :4].contiguous(), _TOPK, _WEIGHTS, 4),
+     "hidden must be a multiple of 8"),
+    ("topk_idx int32", "dispatch", (_TOKENS, _TOPK.int(), _WEIGHTS, 4),
+     "topk_idx must be int64 .*got dtype torch.int32"),
+    ("topk_weights bf16", "dispatch", (_TOKENS, _TOPK, _WEIGHTS.bfloat16(), 4),
+     r"topk_weights must be float32 .*top_scores.float\(\)"),
+    ("num_experts not a multiple of the ranks", "dispatch", (_TOKENS, _TOPK, _WEIGHTS, 3),
+     "num_experts=3 must be a positive multiple of the group size 2"),
+    ("an expert past num_experts", "dispatch", (_TOKENS, _TOPK + 2, _WEIGHTS, 4),
+     r"topk_idx values must lie in \[-1, num_experts=4\) .*got \[4, 5, 4\]"),
+    ("handle_id float", "combine", (_TOKENS, torch.ones(1), 3),
+     r"handle_id must be the CPU int64 tensor of shape \(1,\)"),
+    ("handle_id of no dispatch", "combine", (_TOKENS, torch.tensor([10**9]), 3),
+     "handle_id 1000000000 names no live dispatch"),
+    ("backward: handle_id of shape (2,)", "dispatch_backward",
+     (_TOKENS, _WEIGHTS, torch.zeros(2, dtype=torch.int64), 3), r"shape \(1,\)"),
+    ("backward: grad_topk_weights of other rows", "dispatch_backward",
+     (_TOKENS, _WEIGHTS[:2], torch.zeros(1, dtype=torch.int64), 3),
+     r"grad_topk_weights must have shape \[3, \*\]"),
+    ("backward: grad float32", "combine_backward",
+     (_TOKENS.float(), torch.zeros(1, dtype=torch.int64), 3), "grad must be a .*bfloat16"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("op", "args", "message"), [c[1:] for c in DEEPEP_CASES],
+                         ids=[f"{c[1]}: {c[0]}" for c in DEEPEP_CASES])  # fmt: skip
+def test_deepep_ops_refuse_bad_input_before_communicating(reference_buffer, op, args, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        getattr(torch.ops.deepep, op)(*args)
+
+
+def test_deepep_buffer_bad_input(monkeypatch):
+    from prime_ops import deepep_prime_rl
+
+    monkeypatch.setattr(deepep_prime_rl, "_current", None)
+    with pytest.raises(RuntimeError, match=r"no DeepEP buffer: call .*create_buffer"):
+        torch.ops.deepep.dispatch(_TOKENS, _TOPK, _WEIGHTS, 4)
+    with pytest.raises(ValueError, match="backend must be one of .*got 'nccl'"):
+        deepep_prime_rl.create_buffer(_OneOfTwoRanks(), 16, backend="nccl")
+    with pytest.raises(ValueError, match="hidden_bytes=10 must be a positive multiple of 16"):
+        deepep_prime_rl.create_buffer(_OneOfTwoRanks(), 10, backend="reference")
