@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint
 
-from prime_ac.contexts import block_context_fn
+from prime_ac.contexts import block_context_fn, compiled_block_context_fn
 from prime_ac.policy import OperatorPolicy
 from prime_ac.scopes import retrack, untrack
 
@@ -328,7 +328,7 @@ class _CheckpointedBlock(nn.Module):
             )
         args, kwargs, copies = _without_cache(state.name, state.original_class, args, kwargs)
         if torch.compiler.is_compiling():  # compiled code applies buffer writes once anyway
-            region, context_fn = _call, state.context_fn
+            region, context_fn = _call, compiled_block_context_fn(state.policy)
         else:
             region = _Region(self, copies)
             context_fn = region.context_fn(state.context_fn)

@@ -44,6 +44,8 @@ def _must_recompute(policy: OperatorPolicy, ctx: Any, op: Any, *args: Any, **kwa
 def region_contexts(rules: Rules, name: str) -> tuple[Any, Any]:
     """The (forward, recompute) contexts of one checkpointed call applying ``rules``."""
     if _compat.is_tracing():
+        if rules.plan:
+            raise _plan_under_compile(name)
         policy = rules.policy
         if isinstance(policy, OperatorPolicy):
             policy = functools.partial(_must_recompute, policy)
@@ -54,11 +56,22 @@ def region_contexts(rules: Rules, name: str) -> tuple[Any, Any]:
     return keep, ReplayMode(store, rules)
 
 
+def _plan_under_compile(name: str) -> RuntimeError:
+    return RuntimeError(
+        f"prime_ac: {name} keeps the calls of a budget plan, which are counted in an eager "
+        "forward; torch.compile traces other calls and would ignore the plan. Run this region "
+        "eagerly, or compile it with explicit targets (and "
+        "torch._functorch.config.activation_memory_budget)."
+    )
+
+
 def block_context_fn(
     policy: Any, block: str, watch: Watch | None = None, plan: Any = None
 ) -> Callable[[], tuple[Any, Any]]:
     """The ``context_fn`` of one block of a ``checkpoint_blocks`` configuration, reporting its
     first step to ``watch`` (:mod:`prime_ac.watch`); ``plan`` as for :class:`Rules`."""
+    if torch.compiler.is_compiling() and not plan:  # nothing to watch in a traced region
+        return _traced_context_fn(policy, f"block {block!r}")
     return checkpoint_contexts(Rules(policy, plan, watch, block), f"block {block!r}")
 
 
@@ -68,6 +81,8 @@ def checkpoint_contexts(rules: Rules, name: str) -> Callable[[], tuple[Any, Any]
     A function object, which torch.compile takes as a constant when it traces a ``checkpoint``
     given it (torch 2.9 refuses a ``functools.partial`` holding ``rules``).
     """
+    if rules.plan and torch.compiler.is_compiling():
+        raise _plan_under_compile(name)
 
     def contexts() -> tuple[Any, Any]:
         return region_contexts(rules, name)
@@ -106,6 +121,8 @@ def context_fn(
                 f"policy={policy!r} is not callable: pass prime_ac.make_policy(...) or a function "
                 "(ctx, op, *args, **kwargs) -> torch.utils.checkpoint.CheckpointPolicy"
             )
+        if torch.compiler.is_compiling():
+            return _traced_context_fn(policy, name)
         return checkpoint_contexts(Rules(policy), name)
     targets = None if targets is None else tuple(target_list("targets", targets))
     mandatory = () if mandatory is None else tuple(target_list("mandatory", mandatory))
@@ -114,6 +131,28 @@ def context_fn(
     # Only constants in the partial: torch.compile traces a context_fn built inside a compiled
     # function, and takes a checkpoint's context_fn only as a Python constant.
     return functools.partial(_named_contexts, mode, targets, mandatory, name)
+
+
+def _traced_context_fn(policy: Any, name: str) -> Callable[[], tuple[Any, Any]]:
+    """A ``context_fn`` built inside a compiled function: dynamo passes a checkpoint neither a
+    function defined in the code it traces nor a partial holding an object made there (Rules),
+    and takes a partial of the policy and the name."""
+    return functools.partial(_policy_contexts, policy, name)
+
+
+def compiled_block_context_fn(policy: OperatorPolicy) -> Callable[[], tuple[Any, Any]]:
+    """The ``context_fn`` of a checkpointed block in a compiled forward.
+
+    dynamo guards a checkpoint's ``context_fn`` by its code only, so a block's own context_fn
+    (one function per block) would let a block of another configuration reuse the graph
+    compiled for the first. This partial holds the policy, which dynamo guards by identity: blocks
+    sharing a configuration share a graph, another configuration recompiles.
+    """
+    return functools.partial(_policy_contexts, policy, "a compiled checkpointed block")
+
+
+def _policy_contexts(policy: Any, name: str) -> tuple[Any, Any]:
+    return region_contexts(Rules(policy), name)
 
 
 @functools.cache
