@@ -78,7 +78,7 @@ def checkpoint_hf_model(model: nn.Module, **checkpoint_blocks_kwargs: Any) -> li
         logger.warning(
             "prime_ac: %s had Hugging Face activation checkpointing on; turned it off "
             "(model.activation_checkpointing_disable()) so that blocks are not checkpointed "
-            "twice",
+            "twice (in a Trainer's arguments: gradient_checkpointing=False)",
             type(model).__name__,
         )
     config = getattr(model, "config", None)

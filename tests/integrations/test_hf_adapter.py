@@ -27,6 +27,7 @@ def test_hf_checkpointing_is_turned_off_and_said(caplog):
     assert not model.is_activation_checkpointing
     assert model.config.use_cache is False
     assert "activation_checkpointing_disable()" in caplog.text
+    assert "gradient_checkpointing=False" in caplog.text
 
 
 def test_nothing_is_said_when_hf_checkpointing_was_off(caplog):

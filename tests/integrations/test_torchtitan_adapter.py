@@ -181,6 +181,7 @@ def _configs():
         "SelectiveAC": (SelectiveAC.Config(), titan_models.loss),
         "SelectiveAC, no profile": (SelectiveAC.Config(), None),
         "MemoryBudgetAC": (MemoryBudgetAC.Config(memory_budget=0.3), titan_models.loss),
+        "a selective table": ({"mode": "selective"}, titan_models.loss),
     }
 
 
