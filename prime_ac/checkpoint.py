@@ -142,7 +142,8 @@ def checkpoint_blocks(
     _check_no_checkpoint_wrapper(model, selected)
     _warn_on_own_checkpointing(model)
     if policy.scoped is not None:
-        _report(scope_problems(policy.scoped.targets, [block for _, block in selected]), strict)
+        scoped = scope_problems(policy.scoped.targets, [block for _, block in selected])
+        _report(scoped, strict, configuration=repr(config))
     if auto and isinstance(config.budget, Mapping):
         _check_budget_names(config.budget, [name for name, _ in selected])
 
