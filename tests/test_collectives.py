@@ -231,6 +231,8 @@ def _contract_body(rank, world):
         (OPS.all_to_all_single_equal, (torch.randn(4, 3), name)),
         (OPS.all_gather, (torch.randn(2, 3), 1, world, name)),
         (OPS.reduce_scatter_sum, (torch.randn(3, 4), -1, world, name)),
+        (OPS.mxfp8_all_to_all, (torch.randn(int(send.sum()), 32), recv, send, name, True)),
+        (OPS.mxfp8_all_to_all, (torch.randn(int(send.sum()), 32), recv, send, name, False)),
     ]
     for op, args in cases:
         args = (args[0].requires_grad_(), *args[1:])

@@ -29,7 +29,14 @@ from prime_ops import native
 from prime_ops.attn.sdpa import lse_dtype
 from prime_ops.attn.seqlens import can_read, shard_cu_seqlens, spans
 from prime_ops.attn.varlen import VarlenArgs, check_arguments, get_backend, head_dim_strided
-from prime_ops.groups import Fingerprint, agree, checked_mode, rank_local, resolve, resolve_name
+from prime_ops.groups import (
+    Fingerprint,
+    agree,
+    checked_mode,
+    rank_local,
+    resolve_call,
+    resolve_name,
+)
 
 __all__ = ["merge_partial", "ring_attention"]
 
@@ -291,7 +298,7 @@ def ring_attention(
         out, lse = ring_attention(q, k, v, cu, 7, causal=True)
     """
     op = "ring_attention"
-    group = resolve(group, op)
+    group = resolve_call(group, op)
     flags = []
 
     def check_locally(read_cu_seqlens: bool) -> None:
