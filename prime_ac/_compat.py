@@ -223,11 +223,9 @@ def schema_is_mutable(op: Any) -> bool:
 
 
 def returns_alias(op: Any) -> bool:
-    """True when ``op``'s schema returns a view of an argument it does not write (``view``,
-    ``t``, ``split``): its result shares the argument's storage."""
-    return isinstance(op, OpOverload) and any(
-        r.alias_info is not None and not r.alias_info.is_write for r in op._schema.returns
-    )
+    """True when ``op``'s schema returns an argument or a view of one (``view``, ``t``,
+    ``split``, ``add_``, ``mm.out``): its result shares the argument's storage."""
+    return isinstance(op, OpOverload) and any(r.alias_info is not None for r in op._schema.returns)
 
 
 def returns_nothing(op: Any) -> bool:

@@ -78,8 +78,9 @@ class Rules:
         written = _compat.written_arguments(op)
         if written != ():
             self.writes[op] = written
-        if self._classify is None:  # a policy callable: asked for every call but of views,
-            # which replay (a view kept apart from its base would miss writes to the base)
+        if self._classify is None:  # a policy callable: asked for every call but of views and
+            # in-place ops, which replay (a view kept apart from its base would miss writes to
+            # the recomputed base; an in-place op must write again)
             return _REPLAY if _compat.returns_alias(op) else Action.ASK
         action = self._classify(op)
         if action is _REPLAY and op in self.plan and written == ():

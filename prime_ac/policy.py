@@ -78,8 +78,8 @@ class OperatorPolicy:
         return decision
 
     def _decide(self, op: Any) -> Action:
-        if returns_alias(op):  # a view: kept apart from its base, a write through it would miss
-            return Action.REPLAY  # the recomputed base; replayed, it costs no FLOP
+        if returns_alias(op):  # a view, kept apart from its base, would miss writes to the
+            return Action.REPLAY  # recomputed base (replayed, it costs no FLOP); add_ must write
         key = operator_key(op)
         if self.mandatory.matches(key):
             return Action.MANDATORY
