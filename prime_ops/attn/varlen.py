@@ -56,6 +56,7 @@ __all__ = [
 ]
 
 _HALF = (torch.float16, torch.bfloat16)
+_SYMBOLIC = (torch.SymInt, torch.SymFloat)
 
 
 class VarlenArgs(NamedTuple):
@@ -243,12 +244,12 @@ def _check_types(q, k, v, a: VarlenArgs) -> None:
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     for name in ("max_seqlen_q", "max_seqlen_k", "window_size_left", "window_size_right"):
-        value = getattr(a, name)
-        if isinstance(value, bool) or not isinstance(value, int):
+        value = getattr(a, name)  # symbolic while tracing with dynamic shapes
+        if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
             raise TypeError(f"{name} must be an int (or None), got {value!r}")
     for name in ("softmax_scale", "softcap"):
         value = getattr(a, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, (int, float, *_SYMBOLIC)):
             raise TypeError(f"{name} must be a float, got {value!r}")
     if not isinstance(a.causal, bool):
         raise TypeError(f"causal must be a bool, got {a.causal!r}")

@@ -103,6 +103,15 @@ def _matches_full_attention(rank, world):
         assert lse.dtype == torch.float64 and lse.shape == (heads, per_rank)
         torch.testing.assert_close(lse, ref_lse[:, mine], atol=1e-12, rtol=1e-12)
 
+    args = (*local, shard.cu_seqlens_q, shard.cu_seqlens_k, shard.max_seqlen_q,
+            shard.max_seqlen_k, shard.local_k_slice.start, shard.local_k_slice.stop, 1, True,
+            group.group_name, -1, -1, "sdpa")  # fmt: skip
+    torch.library.opcheck(torch.ops.prime_rl_ring.attention.default, args)
+    out, lse = torch.ops.prime_rl_ring.attention(*args)
+    detached = [t.detach() for t in local]
+    backward = (torch.randn_like(out).detach(), *detached, out.detach(), lse, *args[3:])
+    torch.library.opcheck(torch.ops.prime_rl_ring.attention_backward.default, backward)
+
     # prime-rl's backend names run the flash kernels, which refuse CPU tensors by name.
     with pytest.raises(ValueError, match="backend 'fa2' runs on cuda tensors"):
         ring_varlen_attention(*local, shard, 1, group, (-1, -1), "flash_attention_2")
