@@ -264,9 +264,7 @@ def _attention_backward(
         _check(q, k, v, world, start, stop, heads_k_stride, spec, a, (dout, out, softmax_lse))
     acc = torch.promote_types(k.dtype, torch.float32)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    for kv_heads, q_heads, k_all, v_all in _gathered_groups(
-        k, v, q, heads_k_stride, group, world
-    ):
+    for kv_heads, q_heads, k_all, v_all in _gathered_groups(k, v, q, heads_k_stride, group, world):
         dq_h, dk_h, dv_h = spec.backward(
             head_dim_strided(dout[:, q_heads]),
             head_dim_strided(q[:, q_heads]),

@@ -11,9 +11,9 @@ the flash backends are for production sizes.
 
 from __future__ import annotations
 
-import torch
 from typing import TYPE_CHECKING
 
+import torch
 from torch import Tensor
 
 from prime_ops.attn.seqlens import spans

@@ -279,8 +279,7 @@ def check_arguments(
             )
         if t.shape[1] < 1 or t.shape[2] < 1:
             raise ValueError(
-                f"{name} needs at least one head and a head dim >= 1; got shape "
-                f"{tuple(t.shape)}"
+                f"{name} needs at least one head and a head dim >= 1; got shape {tuple(t.shape)}"
             )
     if k.shape[:2] != v.shape[:2]:
         raise ValueError(f"k and v must agree in tokens and heads; got {k.shape} and {v.shape}")
@@ -435,11 +434,9 @@ def _define_fa4_without_max_seqlen() -> None:
 
     @torch.library.impl(name, "CompositeImplicitAutograd")
     def _(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window_size_left, window_size_right):
+        windows = (window_size_left, window_size_right)
         full = torch.ops.prime_rl_attn.flash_attn_4_varlen.default
-        return full(q, k, v, cu_seqlens_q, cu_seqlens_k, None, None, causal, *(
-            window_size_left,
-            window_size_right,
-        ))
+        return full(q, k, v, cu_seqlens_q, cu_seqlens_k, None, None, causal, *windows)
 
 
 _define_fa4_without_max_seqlen()
