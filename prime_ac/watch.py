@@ -113,7 +113,7 @@ class Watch:
             if self.bypass is not None:
                 logger.warning(
                     "prime_ac: checkpointed %s on the first step; it runs without checkpointing "
-                    "from now on, which holds less and replays nothing (checkpoint_blocks(..., "
+                    "from now on, which holds no more and replays nothing (checkpoint_blocks(..., "
                     "skip_worse=False) keeps checkpointing it)",
                     held,
                 )
