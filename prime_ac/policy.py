@@ -83,19 +83,14 @@ class OperatorPolicy:
         key = operator_key(op)
         if self.mandatory.matches(key):
             return Action.MANDATORY
-        mutates = schema_is_mutable(op)
-        if self.mode not in _KEEPS_NOTHING and not mutates:
-            if self.scoped is not None and self.scoped.involves(key):
-                return Action.SCOPED
-            if self.targets.matches(key):
-                return Action.KEEP
-        if (
-            mutates
-            and self.mode not in _KEEPS_NOTHING
-            and returns_nothing(op)
-            and self.targets.matches(key)
-        ):
-            return Action.KEEP_WRITTEN
+        if self.mode not in _KEEPS_NOTHING:
+            if not schema_is_mutable(op):
+                if self.scoped is not None and self.scoped.involves(key):
+                    return Action.SCOPED
+                if self.targets.matches(key):
+                    return Action.KEEP
+            elif returns_nothing(op) and self.targets.matches(key):
+                return Action.KEEP_WRITTEN  # an out= op: what it wrote is its result
         if key[:2] in _HOST_SYNC_OPS:
             return Action.HOST_SYNC
         return Action.REPLAY
