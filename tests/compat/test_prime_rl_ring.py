@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from prime_ops.attn import ring_shard
+from tests.compat.flash_standins import install
 from tests.dist_utils import run_distributed
 
 
@@ -119,6 +120,40 @@ def _matches_full_attention(rank, world):
         ring_varlen_attention(*local, shard, 1, group, (-1, -1), "flash_attention_5")
     with pytest.raises(ValueError, match="heads_k_stride must divide k's 2 heads; got 3"):
         ring_varlen_attention(*local, shard, 3, group, (-1, -1), "sdpa")
+    _through_flash_standins(rank, world)
+
+
+def _through_flash_standins(rank, world):
+    """prime-rl's backend names on recording stand-ins of FA2 and FA4 (bf16, as on GPUs): each
+    head group's gathered key slice reaches the kernel with the per-rank offsets."""
+    calls = install()  # for the rest of this child process
+    group = dist.group.WORLD
+    cu = torch.tensor([0, 5, 12, 16], dtype=torch.int32)
+    shard = ring_shard(cu, True, rank, world)
+    mine = slice(rank * 8, (rank + 1) * 8)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(16, h, 8, generator=gen).bfloat16() for h in (4, 2, 2))
+    dout = torch.randn(16, 4, 8, generator=gen).bfloat16()
+    full = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = full_attention(*full, cu, left=-1, right=-1)
+    (ref_out * dout.double()).sum().backward()
+    for backend, unbounded in (("flash_attention_2", -1), ("flash_attention_4", None)):
+        calls.clear()
+        local = [t[mine].clone().requires_grad_() for t in (q, k, v)]
+        out = ring_varlen_attention(*local, shard, 1, group, (-1, -1), backend)
+        (out.float() * dout[mine].float()).sum().backward()
+        forwards = [kwargs for name, kwargs in calls if name == "fwd"]
+        assert len(forwards) == 2  # one per kv head group (heads_k_stride 1 of 2)
+        for call in forwards:
+            assert call["k"].shape == (shard.local_k_slice.stop - shard.local_k_slice.start, 1, 8)
+            assert call["cu_seqlens_k"] is shard.cu_seqlens_k and call["causal"] is True
+            assert call["max_seqlen_k"] == shard.max_seqlen_k
+            assert (call["window_size_left"], call["window_size_right"]) == (unbounded,) * 2
+        assert sum(name == "bwd" for name, _ in calls) == 2
+        tol = dict(atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(out.double(), ref_out[mine].detach(), **tol)
+        for ours, ref in zip(local, full, strict=True):
+            torch.testing.assert_close(ours.grad.double(), ref.grad[mine], **tol)
 
 
 @pytest.mark.slow
