@@ -1,5 +1,9 @@
 """Ring (context-parallel) attention over a process group: ``prime_rl_attn::ring_attention``.
 
+prime_ops' own design, beside prime-rl's all-gather ``prime_rl_ring::attention``
+(:mod:`prime_ops.attn.prime_rl_ring`): here no rank ever holds more than two k/v shards, and
+every rank takes the global ``cu_seqlens``.
+
 Each of the ``W`` ranks holds the same-sized contiguous shard of the packed token dimension of
 q, k and v; ``cu_seqlens`` describes the whole packed batch, so sequences may cross shards.
 Key/value shards travel around the ring by point-to-point sends, overlapped with the attention
