@@ -1,5 +1,7 @@
 """Bad input to the ``prime_rl_collectives`` ops on 2 gloo ranks: every rank raises, none hangs.
 
+``CASES`` names every case the multi-process run covers; each asserts its message.
+
 One multi-process run covers every case (process start and group set-up are paid once). Each
 group times out after 30 s, so a rank left waiting fails the test with a timeout instead of
 stalling CI; a case passes only when every rank raised the expected ``ValueError`` or
@@ -39,39 +41,52 @@ def _checked_cases(rank):
     rank (before, anything but a ValueError left the peer waiting the whole group timeout)."""
     x = torch.ones(4, 3)
     one = rank == 1
-    cases = [
+    cases = {
+        "dim_str_on_one_rank":
         (lambda: C.all_gather(x, dim="0" if one else 0), "rank 1 .*TypeError: all_gather: dim "
          "must be an int, got str '0'"),
+        "split_str_on_one_rank":
         (lambda: C.all_to_all_single(x, [2, 2], [2, "2"] if one else [2, 2]),
          r"rank 1 .*TypeError: input_splits must be a list of ints .*\[2, '2'\]"),
+        "x_none_on_rank_0":
         (lambda: C.reduce_scatter_sum(None if rank == 0 else x),
          "rank 0 .*TypeError: reduce_scatter_sum: x must be a torch.Tensor, got NoneType"),
+        "equal_x_none_on_one_rank":
         (lambda: C.all_to_all_single_equal(None if one else x), "rank 1 .*x must be a torch"),
+        "float_splits_on_one_rank":
         (lambda: C.all_to_all_single(x, [2, 2], torch.tensor([2.0, 2.0]) if one else [2, 2]),
          "rank 1 .*ValueError: input_splits must be an integer"),
+        "mxfp8_width_33_on_one_rank":
         (lambda: mxfp8_all_to_all_single(torch.ones(4, 33 if one else 32), [2, 2], [2, 2]),
          "rank 1 .*multiple of 32"),
+        "mxfp8_x_none_on_one_rank":
         (lambda: mxfp8_all_to_all_single(None if one else torch.ones(4, 32), [2, 2], [2, 2]),
          "rank 1 .*TypeError: mxfp8_all_to_all_single: x must be a torch.Tensor"),
         # valid on each rank, but not together: what default mode cannot see (issue 24)
+        "splits_that_do_not_fit":
         (lambda: C.all_to_all_single(x, [2, 3], [2, 2] if rank == 0 else [1, 3]),
          r"rank 1 sends 1 rows to rank 0 .* but rank 0 expects 3"),
+        "dim_differs":
         (lambda: C.all_gather(torch.ones(2, 2), dim=rank),
          "dim must be the same on every rank; got rank 0: 0, rank 1: 1"),
+        "scale_rule_differs":
         (lambda: mxfp8_all_to_all_single(x.new_ones(4, 32), [2, 2], [2, 2],
          scale_rule="floor" if one else "rceil"), "scale_rule must be the same on every rank"),
+        "dispatch_torchao_on_cpu_on_one_rank":
         (lambda: mxfp8_all_to_all_dispatch(x.new_ones(4, 32), [2, 2], [2, 2],
          quantizer="torchao" if one else "torch"), "rank 1 .*quantizer='torchao' casts bf16 CUDA"),
+        "async_splits_that_do_not_fit":
         (lambda: C.all_to_all_single_async(x, [2, 2], [2, 2] if rank == 0 else [1, 3]),
          r"rank 1 sends 1 rows to rank 0 .* but rank 0 expects 2"),
         # one rank's sparse tensor: the fingerprints carry the layout, the check reaches all
+        "sparse_x_on_one_rank":
         (lambda: C.all_to_all_single_equal(x.to_sparse() if one else x),
          "rank 1 .*layout torch.sparse_coo"),
-    ]  # fmt: skip
-    for call, message in cases:
+    }  # fmt: skip
+    for call, message in cases.values():
         _raises(ValueError, f"{message}.*{EVERY}", call)
         _in_step(rank)
-    return len(cases)
+    return list(cases)
 
 
 def _mode_cases(rank):
@@ -96,53 +111,78 @@ def _mode_cases(rank):
     finally:
         os.environ.pop(CHECK_ENV, None)
     assert C.all_gather(torch.tensor([rank]), group=fresh).tolist() == [0, 1]  # now both off
-    return 3
+    return ["mode_set_checked_differs", "mode_type_error_joins_exchange", "mode_env_differs"]
 
 
 def _default_cases(rank, name):
     """Default mode: every rank makes the same bad call (so no one is left waiting); the error
     names the argument, and says the peers may be waiting, whatever its type."""
     x = torch.ones(4, 3)
-    cases = [
+    cases = {
+        "dim_str":
         (TypeError, lambda: C.all_gather(x, dim="0"), "dim must be an int, got str"),
+        "dim_float":
         (TypeError, lambda: C.all_gather(x, dim=1.0), "dim must be an int, got float"),
+        "output_splits_str":
         (TypeError, lambda: C.all_to_all_single(x, [1, "1"], [2, 2]), "output_splits must be"),
+        "input_splits_float":
         (TypeError, lambda: C.all_to_all_single(x, [2, 2], [2.5, 1.5]), "input_splits must be"),
+        "input_splits_bool":
         (TypeError, lambda: C.all_to_all_single(x, [2, 2], [True, 3]), "input_splits must be"),
+        "output_splits_int":
         (TypeError, lambda: C.all_to_all_single(x, 4, [2, 2]), "output_splits must be a list"),
+        "reduce_scatter_x_none":
         (TypeError, lambda: C.reduce_scatter_sum(None), "x must be a torch.Tensor, got None"),
+        "all_to_all_x_none":
         (TypeError, lambda: C.all_to_all_single(None, [0, 0], [0, 0]), "x must be a torch"),
+        "mxfp8_x_none":
         (TypeError, lambda: mxfp8_all_to_all_single(None, [0, 0], [0, 0]), "x must be a torch"),
+        "mxfp8_width_33":
         (ValueError, lambda: mxfp8_all_to_all_single(torch.ones(2, 33), [1, 1], [1, 1]), "32"),
+        "dispatch_width_16":
         (ValueError, lambda: mxfp8_all_to_all_dispatch(torch.ones(2, 16), [1, 1], [1, 1]), "32"),
+        "meta_x":
         (ValueError, lambda: C.all_gather(torch.ones(2, device="meta")), "meta device"),
+        "sparse_x":
         (ValueError, lambda: C.reduce_scatter_sum(torch.ones(2, 2).to_sparse()),
          "layout torch.sparse_coo; .* pass x.to_dense"),
+        "async_splits_str":
         (TypeError, lambda: C.all_to_all_single_async(x, [2, 2], "22"), "input_splits must be"),
         # the raw ops: the same checks, inside the op
+        "raw_all_gather_dim_5":
         (ValueError, lambda: OPS.all_gather(x, 5, 2, name), r"dim=5 is out of range"),
+        "raw_all_gather_group_size_4":
         (ValueError, lambda: OPS.all_gather(x, 0, 4, name),
          r"group_size=4 but the group .* has 2 ranks; pass group.size\(\)"),
+        "raw_reduce_scatter_indivisible":
         (ValueError, lambda: OPS.reduce_scatter_sum(torch.ones(3), 0, 2, name), "not divisible"),
+        "raw_reduce_scatter_group_size_1":
         (ValueError, lambda: OPS.reduce_scatter_sum(x, 0, 1, name), "group_size=1"),
+        "raw_equal_indivisible":
         (ValueError, lambda: OPS.all_to_all_single_equal(torch.ones(3), name), "not divisible"),
+        "raw_all_to_all_splits_sum":
         (ValueError, lambda: OPS.all_to_all_single(x, torch.tensor([2, 2]),
          torch.tensor([3, 3]), name), r"input_splits \[3, 3\] sum to 6"),
+        "raw_all_to_all_negative":
         (ValueError, lambda: OPS.all_to_all_single(x, torch.tensor([2, 2]),
          torch.tensor([5, -1]), name), "negative"),
+        "raw_mxfp8_single_scale_rule":
         (ValueError, lambda: OPS.mxfp8_all_to_all_single(torch.ones(2, 32), torch.tensor([1, 1]),
          torch.tensor([1, 1]), name, False, "round", "torch"), "scale_rule must be one of"),
+        "raw_mxfp8_width_48":
         (ValueError, lambda: OPS.mxfp8_all_to_all(torch.ones(2, 48), torch.tensor([1, 1]),
          torch.tensor([1, 1]), name, False), "multiple of 32"),
+        "raw_mxfp8_int32":
         (ValueError, lambda: OPS.mxfp8_all_to_all(torch.ones(2, 32, dtype=torch.int32),
          torch.tensor([1, 1]), torch.tensor([1, 1]), name, True), "x must be one of"),
+        "raw_async_splits_sum":
         (ValueError, lambda: OPS.all_to_all_single_async(x, torch.tensor([2, 2]),
          torch.tensor([3, 3]), name), r"input_splits \[3, 3\] sum to 6"),
-    ]  # fmt: skip
-    for kind, call, message in cases:
+    }  # fmt: skip
+    for kind, call, message in cases.values():
         _raises(kind, f"{message}.*{WAITING}", call)
     _in_step(rank)
-    return len(cases)
+    return list(cases)
 
 
 def _sync_cases(rank):
@@ -151,26 +191,52 @@ def _sync_cases(rank):
     _, handle = C.all_to_all_single_async(x, [2, 2], [2, 2])
     C.sync_all_to_all(handle)
     C.sync_all_to_all(handle)  # a handle already waited for: nothing left to wait for
-    cases = [
+    cases = {
+        "sync_handle_never_issued":
         (ValueError, lambda: C.sync_all_to_all(torch.tensor([10**6])), "was never issued"),
+        "sync_handle_two_elements":
         (ValueError, lambda: C.sync_all_to_all(torch.tensor([1, 2])), "one element"),
+        "sync_handle_str":
         (TypeError, lambda: C.sync_all_to_all("1"), "handle must be the tensor"),
-    ]
-    for kind, call, message in cases:
+    }  # fmt: skip
+    for kind, call, message in cases.values():
         _raises(kind, message, call)
     _in_step(rank)
-    return len(cases)
+    return list(cases)
 
 
 def _body(rank, world):
     name = dist.group.WORLD.group_name
-    counts = {"default": _default_cases(rank, name), "sync": _sync_cases(rank)}
+    covered = _default_cases(rank, name) + _sync_cases(rank)
     set_checked(True)
-    counts["checked"] = _checked_cases(rank)
-    counts["mode"] = _mode_cases(rank)
+    covered += _checked_cases(rank) + _mode_cases(rank)
     set_checked(False)
     _in_step(rank)
-    assert counts == {"default": 25, "sync": 3, "checked": 13, "mode": 3}
+    assert covered == list(CASES)
+
+
+# Every case the run above covers, by name (in the order it runs them); the four mistakes of
+# issue 31 follow, one test each.
+CASES = (
+    # default mode: every rank makes the same bad call; the message says the peers may wait
+    "dim_str", "dim_float", "output_splits_str", "input_splits_float", "input_splits_bool",
+    "output_splits_int", "reduce_scatter_x_none", "all_to_all_x_none", "mxfp8_x_none",
+    "mxfp8_width_33", "dispatch_width_16", "meta_x", "sparse_x", "async_splits_str",
+    "raw_all_gather_dim_5", "raw_all_gather_group_size_4", "raw_reduce_scatter_indivisible",
+    "raw_reduce_scatter_group_size_1", "raw_equal_indivisible", "raw_all_to_all_splits_sum",
+    "raw_all_to_all_negative", "raw_mxfp8_single_scale_rule", "raw_mxfp8_width_48",
+    "raw_mxfp8_int32", "raw_async_splits_sum",
+    # sync_all_to_all's handle
+    "sync_handle_never_issued", "sync_handle_two_elements", "sync_handle_str",
+    # checked mode: one rank's error, or calls that do not fit, raise on every rank
+    "dim_str_on_one_rank", "split_str_on_one_rank", "x_none_on_rank_0",
+    "equal_x_none_on_one_rank", "float_splits_on_one_rank", "mxfp8_width_33_on_one_rank",
+    "mxfp8_x_none_on_one_rank", "splits_that_do_not_fit", "dim_differs", "scale_rule_differs",
+    "dispatch_torchao_on_cpu_on_one_rank", "async_splits_that_do_not_fit",
+    "sparse_x_on_one_rank",
+    # the mode itself differs across ranks
+    "mode_set_checked_differs", "mode_type_error_joins_exchange", "mode_env_differs",
+)  # fmt: skip
 
 
 def test_bad_collective_calls_raise_on_every_rank():
@@ -186,14 +252,18 @@ def _rank1_mistake(rank, world, case):
     set_checked(True)
     x = torch.ones(4, 2)
     mistakes = {
-        "group": (lambda: C.all_gather(x, 0, group="WORLD"),
+        "group":
+        (lambda: C.all_gather(x, 0, group="WORLD"),
                   "rank 1 of the group rejected its call: ValueError: all_gather: group must be "
                   "a torch.distributed.ProcessGroup"),
-        "meta": (lambda: C.all_gather(torch.ones(4, 2, device="meta"), 0),
+        "meta":
+        (lambda: C.all_gather(torch.ones(4, 2, device="meta"), 0),
                  "rank 1 .*x is on the meta device, which holds no data"),
-        "sparse": (lambda: C.all_gather(x.to_sparse(), 0),
+        "sparse":
+        (lambda: C.all_gather(x.to_sparse(), 0),
                    "rank 1 .*x has layout torch.sparse_coo"),
-        "op": (lambda: C.reduce_scatter_sum(x, 0),
+        "op":
+        (lambda: C.reduce_scatter_sum(x, 0),
                "op must be the same on every rank; got rank 0: all_gather, rank 1: "
                "reduce_scatter_sum"),
     }  # fmt: skip
