@@ -16,6 +16,7 @@ from dist_utils import run_distributed
 
 import prime_ops  # noqa: F401  (registers the ops)
 from prime_ops import collectives as C
+from prime_ops.mxfp8 import mxfp8_all_to_all_combine, mxfp8_all_to_all_dispatch
 
 OPS = torch.ops.prime_rl_collectives
 PRIME_RL_COMMIT = "3be02f75c7b9"
@@ -158,6 +159,12 @@ def _check_mxfp8(rank, world, g):
     want_y = _exchange([_mx_round_trip(u) for u in up_y], matrix)[rank]
     torch.testing.assert_close(x.grad, want_x, rtol=0, atol=0)
     torch.testing.assert_close(y.grad, want_y, rtol=0, atol=0)
+    # prime_ops' fronts with prime-rl's front arguments (the import swap): the same values.
+    group = dist.group.WORLD
+    dispatched = mxfp8_all_to_all_dispatch(xs[rank], recv, send, group)
+    torch.testing.assert_close(dispatched, want, rtol=0, atol=0)
+    combined = mxfp8_all_to_all_combine(ys[rank], send, recv, group)
+    torch.testing.assert_close(combined, _exchange(ys, _transpose(matrix))[rank], rtol=0, atol=0)
 
 
 # --- models/gpt_oss/modeling_gpt_oss.py: substitute_gpt_oss_ring_attention ----------------------
