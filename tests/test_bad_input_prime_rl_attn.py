@@ -165,7 +165,11 @@ def _ring_body(rank, world):
         (lambda: ring_attention(q, q, q, cu, 16, softcap=math.inf), "softcap must be finite"),
         (lambda: ring_attention(None, q, q, cu, 16), "q must be a torch.Tensor, got NoneType"),
         (lambda: ring_attention(q, q, q, [0, 16], 16), "cu_seqlens_q must be a torch.Tensor"),
-        (lambda: ring_attention(q, q, q, cu, 16, softcap="x"), "could not convert string"),
+        # the front turned softcap="1" into 1.0 where varlen_attention raised (issue 31)
+        (lambda: ring_attention(q, q, q, cu, 16, softcap="1"), "softcap must be a float, got '1'"),
+        (lambda: ring_attention(q, q, q, cu, 16, softmax_scale="0.3"),
+         "softmax_scale must be a float, got '0.3'"),
+        (lambda: ring_attention(q, q, q, cu, 16, causal="yes"), "causal must be a bool, got 'yes'"),
         (lambda: OPS.ring_attention(q, q, q, cu, 16, False, 0.3, math.inf, name, "sdpa"),
          "softcap must be finite"),
         (lambda: OPS.ring_attention(q, q, q, cu, 16, False, math.nan, 0.0, name, "sdpa"),
@@ -178,8 +182,8 @@ def _ring_body(rank, world):
     one = rank == 1
     checked = [  # one rank's error, of any type, reaches both
         (lambda: ring_attention(None if one else q, q, q, cu, 16), "rank 1 .*TypeError: q must"),
-        (lambda: ring_attention(q, q, q, cu, 16, softcap="x" if one else 0.0),
-         "rank 1 .*ValueError: could not convert"),
+        (lambda: ring_attention(q, q, q, cu, 16, softcap="1" if one else 0.0),
+         "rank 1 .*TypeError: softcap must be a float, got '1'"),
         (lambda: ring_attention(q, q, q, cu, 16, softcap=math.inf if one else 0.0),
          "rank 1 .*softcap must be finite"),
         (lambda: ring_attention(q, q, q, cu, 16, softcap=1.0 + rank), "softcap must be the same"),

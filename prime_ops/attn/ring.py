@@ -32,7 +32,13 @@ from torch import Tensor
 from prime_ops import native
 from prime_ops.attn.sdpa import lse_dtype
 from prime_ops.attn.seqlens import can_read, shard_cu_seqlens, spans
-from prime_ops.attn.varlen import VarlenArgs, check_arguments, get_backend, head_dim_strided
+from prime_ops.attn.varlen import (
+    VarlenArgs,
+    _default_scale,
+    check_arguments,
+    get_backend,
+    head_dim_strided,
+)
 from prime_ops.groups import (
     Fingerprint,
     agree,
@@ -112,9 +118,11 @@ def _step(cu_q, cu_k, max_len, causal, softmax_scale, softcap) -> VarlenArgs:
     return VarlenArgs(cu_q, cu_k, max_len, max_len, causal, softmax_scale, *_NO_WINDOW, softcap)
 
 
-def _check(q, k, v, cu_seqlens, max_seqlen, softmax_scale, softcap, backend, grads=None):
+def _check(
+    q, k, v, cu_seqlens, max_seqlen, softmax_scale, softcap, backend, grads=None, causal=False
+):
     spec = get_backend(backend)
-    a = _step(cu_seqlens, cu_seqlens, max_seqlen, False, softmax_scale, softcap)
+    a = _step(cu_seqlens, cu_seqlens, max_seqlen, causal, softmax_scale, softcap)
     check_arguments(spec, q, k, v, a, grads=grads)
     if k.shape[0] != q.shape[0]:
         raise ValueError(
@@ -308,9 +316,10 @@ def ring_attention(
     def check_locally(read_cu_seqlens: bool) -> None:
         if not isinstance(q, Tensor):
             raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
-        scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-        flags[:] = (scale, float(softcap), backend)
-        _check(q, k, v, cu_seqlens, max_seqlen, *flags)
+        scale = _default_scale(q) if softmax_scale is None else softmax_scale
+        # varlen_attention's type checks see the values as given, before float() converts them
+        _check(q, k, v, cu_seqlens, max_seqlen, scale, softcap, backend, causal=causal)
+        flags[:] = (float(scale), float(softcap), backend)
         if read_cu_seqlens:
             spans(cu_seqlens, q.shape[0] * group.size(), max_seqlen, "cu_seqlens")
 
