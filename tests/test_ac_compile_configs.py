@@ -3,7 +3,8 @@
 Two models of one block class checkpointed with different settings and compiled in one process
 each get their own graph: what a compiled model saves for backward (counted through torch's
 saved-tensor hooks) equals what the same configuration holds eagerly (prime_ac's measurement),
-in both orders. And every public way to build a ``context_fn`` works when it is built inside a
+in both orders, whether they differ in mode, targets or scoped targets (a budget plan raises
+under compile). And every public way to build a ``context_fn`` works when it is built inside a
 compiled function, with and without ``fullgraph``.
 """
 
@@ -14,7 +15,11 @@ import functools
 import pytest
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 import prime_ac
 from prime_ac.budget import budget_context_fn
@@ -24,13 +29,23 @@ from prime_ac.measure import track_step
 pytestmark = pytest.mark.slow
 
 
-class Block(nn.Module):
+class Inner(nn.Module):
     def __init__(self):
         super().__init__()
         self.w = nn.Parameter(torch.randn(16, 16) / 4)
 
     def forward(self, x):
-        return torch.mm(torch.mm(x, self.w).sin(), self.w).cos()
+        return torch.mm(x, self.w)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = Inner()
+        self.w = nn.Parameter(torch.randn(16, 16) / 4)
+
+    def forward(self, x):
+        return torch.mm(self.inner(x).sin(), self.w).cos()
 
 
 class Model(nn.Module):
@@ -49,6 +64,7 @@ CONFIGS = {
     "selective-mm": {"mode": "selective", "targets": ["aten::mm"]},
     "selective-sin": {"mode": "selective", "targets": ["aten::sin"]},
     "full": {"mode": "full"},
+    "scoped": {"mode": "selective", "targets": ["inner/aten::mm"]},  # the first mm only
 }
 
 
@@ -80,7 +96,12 @@ def _checkpointed(name):
     return model, eager
 
 
-ORDERS = [("selective-mm", "full"), ("full", "selective-mm"), ("selective-sin", "selective-mm")]
+ORDERS = [
+    ("selective-mm", "full"),
+    ("full", "selective-mm"),
+    ("selective-sin", "selective-mm"),
+    ("scoped", "selective-mm"),
+]
 
 
 def _compile_blocks(model):
@@ -125,10 +146,10 @@ def _block(x, w):
 
 
 def _keep_mm(ctx, op, *args, **kwargs):
-    keep = op is torch.ops.aten.mm.default
-    return torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE if keep else (
-        torch.utils.checkpoint.CheckpointPolicy.MUST_RECOMPUTE
-    )
+    """torch's SAC policy keeping every mm: the reference, written without prime_ac."""
+    if op is torch.ops.aten.mm.default:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.MUST_RECOMPUTE
 
 
 _POLICY = prime_ac.make_policy("selective", ["aten::mm"])
