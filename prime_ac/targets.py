@@ -196,9 +196,12 @@ MANDATORY_TARGETS: tuple[str, ...] = (
     "prime_rl::mega_moe_fp8",
     "prime_kernels::dsv41_index_topk",
     "prime_kernels::select_indexed_blocks",
+    "prime_rl_collectives::all_to_all_single_async",
 )
 """Kept in every mode, whatever ``targets`` says: non-replayable communication (DeepEP and the
-MoE kernels that run it: ``deepep_moe``, ``mega_moe``, ``mega_moe_fp8``), routing and sparse
+MoE kernels that run it: ``deepep_moe``, ``mega_moe``, ``mega_moe_fp8``; the async all-to-all,
+whose output is only complete after the ``sync_all_to_all`` that follows it, which a recompute
+stopping early never reaches), routing and sparse
 selection (top-k and the indexers must pick the same experts and blocks in the recompute) and
 telemetry (must count once). The names are prime-rl's; its kernels register them."""
 

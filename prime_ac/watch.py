@@ -12,7 +12,10 @@ reports:
 - blocks whose kept results reach what no AC holds for them (:func:`worse`: at least
   :data:`REPORTED_BYTES` kept): checkpointing them this way costs memory and compute both, so
   they run without checkpointing from then on (logged once per block), or, with
-  ``skip_worse=False``, keep checkpointing with a warning.
+  ``skip_worse=False``, keep checkpointing with a warning. Each rank judges by its own bytes,
+  so in a job of several ranks a block whose recompute replays a collective keeps checkpointing
+  (with a warning saying why): ranks that judged it differently would replay different
+  collectives in backward and hang.
 
 Later forwards pay nothing for this: they run the plain :class:`~prime_ac.modes.KeepMode`.
 """
@@ -29,12 +32,28 @@ from typing import Any
 import torch
 
 from prime_ac import _compat
+from prime_ac.actions import Action
 from prime_ac.modes import KeepMode
 from prime_ac.targets import Target, TargetSet, operator_key
 
 __all__ = ["REPORTED_BYTES", "Ledger", "MeasuringKeepMode", "Watch", "worse"]
 
 logger = logging.getLogger("prime_ac")
+
+# Namespaces whose operators communicate with other ranks: a recompute that replays one must
+# replay it on every rank.
+COMMUNICATION_NAMESPACES = frozenset(
+    {"_c10d_functional", "c10d", "c10d_functional", "prime_rl_collectives", "prime_rl_ring",
+     "deepep"}
+)
+
+
+def _several_ranks() -> bool:
+    distributed = torch.distributed
+    return distributed.is_available() and distributed.is_initialized() and (
+        distributed.get_world_size() > 1
+    )
+
 
 # Operators a target may name where the block dispatches a sibling: a matmul as mm, addmm or bmm
 # by whether it has a bias or a batch; attention as the kernel of the device it runs on.
@@ -74,6 +93,7 @@ class Watch:
         self.kept: dict[str, int] = {}  # block -> bytes of its kept results
         self.bytes: dict[str, tuple[int, int]] = {}  # block -> (kept, held without AC)
         self.ledger = Ledger()
+        self.replayed_communication: dict[str, str] = {}  # block -> a collective it replays
         # bypass(block, why) makes a block run without checkpointing from its next forward on;
         # None keeps checkpointing it (checkpoint_blocks(..., skip_worse=False)) and warns
         self.bypass = bypass
@@ -110,6 +130,17 @@ class Watch:
                 f"block {block!r} keeps {_mib(kept)} of operator results for backward, while "
                 f"without checkpointing autograd would hold {_mib(no_ac)} for it"
             )
+            collective = self.replayed_communication.get(block)
+            if self.bypass is not None and collective is not None and _several_ranks():
+                warnings.warn(
+                    f"prime_ac: checkpointed {held}, but it stays checkpointed: its recompute "
+                    f"replays {collective}, and each rank judges by its own bytes, so ranks "
+                    "judging differently would replay different collectives and hang. Keep the "
+                    "collective (add it to targets=[...]), leave the block out (blocks=...), or "
+                    "pass skip_worse=False to silence this.",
+                    stacklevel=2,
+                )
+                continue
             if self.bypass is not None:
                 logger.warning(
                     "prime_ac: checkpointed %s on the first step; it runs without checkpointing "
@@ -308,7 +339,16 @@ class MeasuringKeepMode(KeepMode):
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if self._ledger is not None:
             self._ledger.outputs(self.rules.block, (args, kwargs), out)
+            if getattr(func, "namespace", None) in COMMUNICATION_NAMESPACES:
+                self._note_communication(func)
         return out
+
+    def _note_communication(self, func: Any) -> None:
+        """Remember a collective this block's recompute may replay (any action that does not
+        always keep it), for the verdict on several ranks."""
+        action = self.rules.action(func)
+        if action not in (Action.KEEP, Action.MANDATORY, Action.KEEP_WRITTEN):
+            self.rules.watch.replayed_communication.setdefault(self.rules.block, str(func))
 
     def __exit__(self, *exc: Any):
         try:

@@ -252,3 +252,36 @@ def test_compiled_regions_are_kept_by_default():
         pytest.skip("this torch has no inductor_compiled_code (torch 2.13+)")
     assert prime_ac.make_policy("selective").classify(hop) is Action.KEEP
     assert prime_ac.make_policy("full").classify(hop) is Action.REPLAY
+
+
+class GatheringLoRA(LoRA):
+    """A LoRA block whose input is all-gathered first (sequence parallelism): selective replays
+    the gather (`_c10d_functional` all-gathers are not default targets) in its recompute."""
+
+    def forward(self, x):
+        from torch.distributed import _functional_collectives as funcol
+
+        gathered = funcol.all_gather_tensor(x, 0, torch.distributed.group.WORLD)
+        return super().forward(gathered)[: x.shape[0]]
+
+
+def _several_ranks_keep_a_block_that_replays_a_collective(rank, world_size):
+    model = _stack(lambda: GatheringLoRA(dim=256))
+    reference = copy.deepcopy(model)
+    x = torch.randn(1024, 256, requires_grad=True, generator=torch.Generator().manual_seed(rank))
+    _step(reference, x)
+    prime_ac.checkpoint_blocks(model, mode="selective")
+    with pytest.warns(UserWarning, match=r"stays checkpointed: its recompute replays "
+                      r"_c10d_functional\.all_gather_into_tensor"):
+        _step(model, x)
+    assert_bitwise_equal(grads(model), grads(reference))
+    assert not any(checkpoint_state(block).bypassed for block in model)
+
+
+@pytest.mark.slow
+def test_on_several_ranks_a_block_replaying_a_collective_is_never_bypassed():
+    """Each rank judges its blocks by its own bytes: were one rank to bypass a block another
+    keeps checkpointed, the two would replay different collectives in backward and hang."""
+    from dist_utils import run_distributed
+
+    run_distributed(_several_ranks_keep_a_block_that_replays_a_collective, 2, timeout=60)
