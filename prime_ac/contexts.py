@@ -81,8 +81,10 @@ def checkpoint_contexts(rules: Rules, name: str) -> Callable[[], tuple[Any, Any]
     A function object, which torch.compile takes as a constant when it traces a ``checkpoint``
     given it (torch 2.9 refuses a ``functools.partial`` holding ``rules``).
     """
-    if rules.plan and torch.compiler.is_compiling():
-        raise _plan_under_compile(name)
+    if torch.compiler.is_compiling():
+        if rules.plan:
+            raise _plan_under_compile(name)
+        return _traced_context_fn(rules.policy, name)
 
     def contexts() -> tuple[Any, Any]:
         return region_contexts(rules, name)

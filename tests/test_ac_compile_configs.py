@@ -23,8 +23,9 @@ from torch.utils.checkpoint import (
 
 import prime_ac
 from prime_ac.budget import budget_context_fn
-from prime_ac.contexts import block_context_fn
+from prime_ac.contexts import block_context_fn, checkpoint_contexts
 from prime_ac.measure import track_step
+from prime_ac.modes import Rules
 
 pytestmark = pytest.mark.slow
 
@@ -158,6 +159,7 @@ BUILDERS = {
     "context_fn(policy=OperatorPolicy)": lambda: prime_ac.context_fn(policy=_POLICY),
     "context_fn(policy=callable)": lambda: prime_ac.context_fn(policy=_keep_mm),
     "block_context_fn": lambda: block_context_fn(_POLICY, "block"),
+    "checkpoint_contexts": lambda: checkpoint_contexts(Rules(_POLICY), "region"),
 }
 
 
@@ -190,12 +192,17 @@ def test_context_fn_built_inside_a_compiled_function(builder, fullgraph):
     assert torch.equal(ours[1], theirs[1]) and torch.equal(ours[2], theirs[2])
 
 
-def test_a_budget_plan_under_compile_raises():
-    """A plan counts the calls of an eager forward; a compiled region would ignore it."""
-    planned = budget_context_fn(
+def _planned():
+    return budget_context_fn(
         prime_ac.make_policy("full"), frozenset({(torch.ops.aten.mm.default, 0)}), "block 'b'"
     )
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["built-outside", "built-inside"])
+def test_a_budget_plan_under_compile_raises(inside):
+    """A plan counts the calls of an eager forward; a compiled region would ignore it."""
+    planned = _planned()
     torch._dynamo.reset()
-    _, step = _compiled_step(lambda: planned, True)
+    _, step = _compiled_step(_planned if inside else lambda: planned, True)
     with pytest.raises(Exception, match="keeps the calls of a budget plan"):
         step(_inputs())
