@@ -535,6 +535,26 @@ def test_benchmark_rows_time_pytorch_chains_against_the_native_ops():
             assert torch.equal(pytorch_out[1], native_out[1]), name
 
 
+def test_attention_benchmark_rows_name_both_sides_and_compute_the_same(monkeypatch):
+    """benchmarks/attention.py compares like with like: each row's baseline dispatches no
+    prime_rl or prime_rl_attn op (with the native library built, so a merge through it would
+    show), its op side dispatches the op it names, and both sides return the same attention."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
+    bench = _benchmark("attention")
+    rows = bench.cpu_rows(lengths=[5, 3, 7], heads=2, head_dim=8)
+    assert len(rows) == 3
+    for name, row in rows.items():
+        with torch.no_grad(), _OpNames() as baseline:
+            baseline_out = row.baseline()
+        with torch.no_grad(), _OpNames() as through_op:
+            op_out, _ = row.op()
+        assert baseline.names and not [n for n in baseline.names if n.startswith("prime_rl")], name
+        assert row.op_side.split(",")[0] in through_op.names, name
+        if isinstance(baseline_out, tuple):  # the kernel's (out, lse)
+            baseline_out = baseline_out[0]
+        torch.testing.assert_close(baseline_out, op_out, msg=name)
+
+
 def test_each_op_is_one_operator(gen):
     """What a prime_ac policy sees: one prime_rl operator per call, not a chain of aten ops."""
 
