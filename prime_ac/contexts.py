@@ -70,8 +70,6 @@ def block_context_fn(
 ) -> Callable[[], tuple[Any, Any]]:
     """The ``context_fn`` of one block of a ``checkpoint_blocks`` configuration, reporting its
     first step to ``watch`` (:mod:`prime_ac.watch`); ``plan`` as for :class:`Rules`."""
-    if torch.compiler.is_compiling() and not plan:  # nothing to watch in a traced region
-        return _traced_context_fn(policy, f"block {block!r}")
     return checkpoint_contexts(Rules(policy, plan, watch, block), f"block {block!r}")
 
 
@@ -79,7 +77,8 @@ def checkpoint_contexts(rules: Rules, name: str) -> Callable[[], tuple[Any, Any]
     """A ``context_fn`` applying ``rules``, one store per checkpointed call.
 
     A function object, which torch.compile takes as a constant when it traces a ``checkpoint``
-    given it (torch 2.9 refuses a ``functools.partial`` holding ``rules``).
+    given it (torch 2.9 refuses a ``functools.partial`` holding ``rules``); built inside a
+    compiled function, a partial of the policy (:func:`_traced_context_fn`).
     """
     if torch.compiler.is_compiling():
         if rules.plan:
@@ -123,8 +122,6 @@ def context_fn(
                 f"policy={policy!r} is not callable: pass prime_ac.make_policy(...) or a function "
                 "(ctx, op, *args, **kwargs) -> torch.utils.checkpoint.CheckpointPolicy"
             )
-        if torch.compiler.is_compiling():
-            return _traced_context_fn(policy, name)
         return checkpoint_contexts(Rules(policy), name)
     targets = None if targets is None else tuple(target_list("targets", targets))
     mandatory = () if mandatory is None else tuple(target_list("mandatory", mandatory))
