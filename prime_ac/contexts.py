@@ -103,8 +103,10 @@ def context_fn(
 
     For trainers that wrap regions themselves. ``policy`` is an :class:`OperatorPolicy` (built
     from ``mode``/``targets``/``mandatory`` when None) or any torch SAC policy callable
-    ``(ctx, op, *args, **kwargs) -> CheckpointPolicy``, called once per forward operator call.
-    ``name`` appears in errors.
+    ``(ctx, op, *args, **kwargs) -> CheckpointPolicy``, called once per forward operator call
+    (views and in-place operators excepted: they always replay, see :mod:`prime_ac.policy`).
+    ``name`` appears in errors. It may be called inside a compiled function (with a policy built
+    outside it).
 
     Example::
 
