@@ -12,7 +12,9 @@ another on a shared machine, was noise; benchmarks/eager_overhead.py times steps
 one thread). Each model's table is printed as soon as it is measured. Then it checks the budget
 policy against the torchtitan rule (Pareto dominance, from the two deterministic columns only)
 and times the policy's per-operator decision (thread CPU time on one thread, with and without
-scoped targets in alternating rounds). ``--json`` prints the results as JSON only.
+scoped targets in alternating rounds). The report starts with the machine (CPU model, usable
+cores), the date and the load average before and after (``benchmarks/report.py``). ``--json``
+prints the results as JSON only.
 tests/test_ac_audit.py runs ``measure`` on the smallest models that show the dominance.
 
     python benchmarks/ac_tradeoff.py [--json] [--quick]
@@ -199,7 +201,12 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--quick", action="store_true", help="one small size per model")
     args = parser.parse_args()
+    from report import header, load_average, machine  # benchmarks/ (the script's own folder)
+
     torch.set_num_threads(1)  # the decision timing runs on this thread alone
+    before = machine()
+    if not args.json:
+        print(header(before, None, "kept and replayed are exact; the decision cost is timed"))
     torch.manual_seed(0)
     sizes = {"small": {"n_layers": 4}, "wide": {"n_layers": 4, "dim": 128, "hidden_dim": 256}}
     if args.quick:
@@ -219,6 +226,8 @@ def main() -> None:
         print(
             json.dumps(
                 {
+                    "machine": before,
+                    "load_average_after": load_average(),
                     "models": results,
                     "decision_ns_per_op": cost,
                     "decision_ns_per_op_scoped": scoped_cost,
@@ -229,6 +238,9 @@ def main() -> None:
         return
     print(f"\npolicy decision cost: {cost:.0f} ns per operator after warm-up")
     print(f"with scoped matmul targets: {scoped_cost:.0f} ns per operator")
+    print(
+        f"(thread CPU time, best of 5 alternating rounds; load average after: {load_average()[0]})"
+    )
 
 
 def _print_table(name, result):

@@ -37,7 +37,6 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from report import header, load_average, machine
 
 import prime_ops  # noqa: F401  (registers the ops)
 from prime_ops.attn import sdpa, varlen_attention
@@ -232,6 +231,8 @@ def main() -> None:
     parser.add_argument("--number", type=int, default=20, help="calls per timed sample")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     args = parser.parse_args()
+    from report import header, load_average, machine  # benchmarks/ (the script's own folder)
+
     torch.set_num_threads(args.threads)
     cpu = {k: v for k, v in CPU_SHAPE.items() if k != "dtype"}
     report = {"machine": machine(), "rounds": args.rounds, "number": args.number}

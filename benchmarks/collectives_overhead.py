@@ -1,14 +1,20 @@
 """Eager overhead of the prime_rl_collectives ops over calling torch.distributed directly.
 
-Runs 2 gloo ranks on this machine. For each op and tensor size it times the custom-op front
-(``prime_ops.collectives``) against the torch.distributed call a trainer would write by hand
-(allocate the output, call the collective), and the front on a checked group (``set_checked``: a
-fingerprint exchange before the collective, see ``prime_ops.groups``). Each round times a block
-of calls of each side, back to back, in rotating order; a ratio printed (custom / direct, checked
-/ direct; 1.00 means no overhead) is the median over rounds of the paired ratios, which keeps
-load from other processes on a shared machine out of it; "best" is the ratio of each side's
-fastest round, since noise only adds time. Inputs do not require grad, so every side does the
-same work; the ratios are the cost of the op boundary and of the check.
+Runs 2 gloo ranks on this machine, torch on one thread in each. For each op and tensor size it
+times, each row naming its sides, the custom-op front (``prime_ops.collectives.<op>``, one
+``prime_rl_collectives::<op>`` call) against the torch.distributed call a trainer would write by
+hand (allocate the output, call ``dist.<collective>``), and the front on a checked group
+(``set_checked``: a fingerprint exchange before the collective, see ``prime_ops.groups``).
+
+Time is wall time (``time.perf_counter``) per call over a block of calls that starts at a
+barrier: a collective's cost is mostly waiting for the peer and gloo's own threads moving bytes,
+which the calling thread's CPU time would not see. Each round times a block of each side, back
+to back, in rotating order; a ratio printed (custom / direct, checked / direct; 1.00 means no
+overhead) is the median over rounds of the paired ratios, which keeps most load from other
+processes on a shared machine out of it; "best" is the ratio of each side's fastest round, since
+noise only adds time. Inputs do not require grad, so every side does the same work; the ratios
+are the cost of the op boundary and of the check. The report names the machine (CPU model,
+usable cores), the date and the load average before and after.
 
     python benchmarks/collectives_overhead.py            # table
     python benchmarks/collectives_overhead.py --json     # one JSON document on stdout
@@ -32,7 +38,8 @@ SIZES = {"4 KiB": 4 << 10, "4 MiB": 4 << 20}  # bytes of fp32 input per rank
 
 
 def _cases(numel: int, world: int):
-    """(op name, custom-op call, direct torch.distributed call) on a tensor of ``numel`` floats."""
+    """(op name, custom-op call, direct torch.distributed call, what the direct side calls) on a
+    tensor of ``numel`` floats."""
     from prime_ops import collectives as C
 
     x = torch.randn(numel)
@@ -63,17 +70,25 @@ def _cases(numel: int, world: int):
             "all_to_all_single",
             lambda group=None: C.all_to_all_single(x, rows, rows, group),
             a2a_direct,
+            "dist.all_to_all_single(out, x, splits, splits)",
         ),
         (
             "all_to_all_single_equal",
             lambda group=None: C.all_to_all_single_equal(x, group),
             a2a_equal_direct,
+            "dist.all_to_all_single(out, x)",
         ),
-        ("all_gather", lambda group=None: C.all_gather(x, group=group), gather_direct),
+        (
+            "all_gather",
+            lambda group=None: C.all_gather(x, group=group),
+            gather_direct,
+            "dist.all_gather_single(out, x)",
+        ),
         (
             "reduce_scatter_sum",
             lambda group=None: C.reduce_scatter_sum(x, group=group),
             scatter_direct,
+            "dist.reduce_scatter_single(out, x)",
         ),
     ]
 
@@ -97,7 +112,7 @@ def _rank_main(rank: int, init_file: str, rounds: int, results) -> None:
         rows = []
         for label, nbytes in SIZES.items():
             iters = 20 if nbytes < (1 << 20) else 4
-            for name, front, direct in _cases(nbytes // 4, WORLD):
+            for name, front, direct, direct_side in _cases(nbytes // 4, WORLD):
                 sides = {
                     "direct": direct,
                     "custom": front,
@@ -119,6 +134,8 @@ def _rank_main(rank: int, init_file: str, rounds: int, results) -> None:
                     {
                         "op": name,
                         "size": label,
+                        "direct_side": direct_side,
+                        "custom_side": f"prime_ops.collectives.{name} (prime_rl_collectives::{name})",
                         "direct_us": statistics.median(times["direct"]) * 1e6,
                         "custom_us": statistics.median(times["custom"]) * 1e6,
                         "checked_us": statistics.median(times["checked"]) * 1e6,
@@ -148,7 +165,10 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.add_argument("--rounds", type=int, default=41, help="paired timing rounds")
     args = parser.parse_args()
+    from report import header, load_average, machine  # benchmarks/ (the script's own folder)
 
+    torch.set_num_threads(1)  # the ranks set theirs; the report names this count
+    before = machine()
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -164,23 +184,27 @@ def main() -> None:
     if any(p.exitcode != 0 for p in procs):
         raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
     rows = results.get()
-
+    after = load_average()
     if args.json:
-        print(json.dumps({"world_size": WORLD, "backend": "gloo", "results": rows}, indent=2))
+        report = {"machine": before, "load_average_after": after, "world_size": WORLD}
+        report |= {"backend": "gloo", "clock": "wall time", "results": rows}
+        print(json.dumps(report, indent=2))
         return
+    how = f"{WORLD} gloo ranks, wall time, medians of {args.rounds} rotating rounds"
+    print(header(before, after, how))
     print(
-        f"prime_rl_collectives eager overhead, {WORLD} gloo ranks (custom op / torch.distributed; "
-        "checked: a set_checked(True) group / torch.distributed)"
+        "ratio: custom (prime_ops.collectives.<op>, one prime_rl_collectives::<op> call) / direct "
+        "(the dist.* call below); checked: the front on a set_checked(True) group / direct"
     )
     print(
         f"{'op':<26}{'size':>8}{'direct us':>11}{'custom us':>11}{'checked us':>12}"
-        f"{'ratio':>7}{'best':>7}{'checked':>9}{'best':>7}"
+        f"{'ratio':>7}{'best':>7}{'checked':>9}{'best':>7}   direct side"
     )
     for r in rows:
         print(
             f"{r['op']:<26}{r['size']:>8}{r['direct_us']:>11.1f}{r['custom_us']:>11.1f}"
             f"{r['checked_us']:>12.1f}{r['ratio']:>6.2f}x{r['best_ratio']:>6.2f}x"
-            f"{r['checked_ratio']:>8.2f}x{r['best_checked_ratio']:>6.2f}x"
+            f"{r['checked_ratio']:>8.2f}x{r['best_checked_ratio']:>6.2f}x   {r['direct_side']}"
         )
 
 

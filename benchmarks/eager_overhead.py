@@ -15,7 +15,9 @@ at 64): their steps are short and their ratios closest to 1, where noise decides
 torch on one thread (``time.thread_time``): other processes on a shared machine barely move it,
 where wall time moves by 2x. ``us/op`` is the extra time over plain
 checkpointing divided by the operator calls the blocks' forward dispatches: what a context costs
-per operator. Shared machines are noisy: compare ratios from one run, not across runs.
+per operator. Shared machines are noisy: compare ratios from one run, not across runs. Each
+report starts with the machine (CPU model, usable cores), the date and the load average before
+and after the run (``benchmarks/report.py``).
 
 ``--per-op`` prints what each dispatch mode costs per operator call, over a bare dispatch mode
 that only runs the call: prime_ac's forward and recompute modes against torch's
@@ -290,13 +292,19 @@ def main() -> None:
         "--compile", action="store_true", help="compile each block (inductor) after wrapping it"
     )
     args = parser.parse_args()
+    from report import header, load_average, machine  # benchmarks/ (the script's own folder)
+
     torch.set_num_threads(1)  # all work on the timed thread
+    before = machine()
     if args.per_op:
         cost = per_operator_cost()
         if args.json:
-            print(json.dumps({"torch": torch.__version__, "us_per_op": cost}, indent=1))
+            report = {"machine": before, "load_average_after": load_average(), "us_per_op": cost}
+            print(json.dumps(report, indent=1))
         else:
-            print(f"torch {torch.__version__}: us per operator call over a bare dispatch mode")
+            how = "thread CPU time, medians of 11 interleaved rounds of 2000-operator chains"
+            print(header(before, load_average(), how))
+            print("us per operator call over a bare dispatch mode")
             for key, value in cost.items():
                 print(f"  {key:<32} {value:6.2f}")
         return
@@ -309,13 +317,13 @@ def main() -> None:
         for kind in kinds
         for size in ([1024] if kind == "llama" and not args.sizes else sizes)
     ]
+    after = load_average()
     if args.json:
-        print(json.dumps({"torch": torch.__version__, "steps": steps, "rows": rows}, indent=1))
+        report = {"machine": before, "load_average_after": after, "steps": steps, "rows": rows}
+        print(json.dumps(report, indent=1))
     else:
-        print(
-            f"torch {torch.__version__}, medians of {steps} interleaved steps after warm-up "
-            "(more below dim 256)"
-        )
+        how = f"thread CPU time, medians of {steps} interleaved steps (more below dim 256)"
+        print(header(before, after, how))
         print(_table(rows))
 
 

@@ -35,10 +35,12 @@ def machine() -> dict:
     }
 
 
-def header(before: dict, load_after: list[float], how: str) -> str:
-    """One line: the machine of :func:`machine`, the load after the run, and how it was timed."""
+def header(before: dict, load_after: list[float] | None, how: str) -> str:
+    """One line: the machine of :func:`machine`, the load after the run (None: a script that
+    prints as it goes says it at the end), and how it was timed."""
+    after = "" if load_after is None else f" / {load_after[0]} after"
     return (
         f"{before['cpu']}, {before['cores_usable']} cores usable, {before['date']}, load average "
-        f"{before['load_average'][0]} before / {load_after[0]} after; torch {before['torch']} on "
+        f"{before['load_average'][0]} before{after}; torch {before['torch']} on "
         f"{before['torch_threads']} thread(s); {how}"
     )

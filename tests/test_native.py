@@ -535,11 +535,10 @@ def test_benchmark_rows_time_pytorch_chains_against_the_native_ops():
             assert torch.equal(pytorch_out[1], native_out[1]), name
 
 
-def test_attention_benchmark_rows_name_both_sides_and_compute_the_same(monkeypatch):
+def test_attention_benchmark_rows_name_both_sides_and_compute_the_same():
     """benchmarks/attention.py compares like with like: each row's baseline dispatches no
     prime_rl or prime_rl_attn op (with the native library built, so a merge through it would
     show), its op side dispatches the op it names, and both sides return the same attention."""
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
     bench = _benchmark("attention")
     rows = bench.cpu_rows(lengths=[5, 3, 7], heads=2, head_dim=8)
     assert len(rows) == 3
