@@ -92,16 +92,13 @@ class BlockCheckpoint:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         fields["watch"] = None  # a copy reports nothing of the original's first step
         policy = fields.pop("policy")
-        if type(policy) is not OperatorPolicy or self.plan is not None:
-            return (_restored_state, (policy, None, fields))
-        del fields["context_fn"]
-        settings = (policy.mode, policy.targets, policy.mandatory, policy.scoped)
-        return (_restored_state, (None, settings, fields))
+        if type(policy) is OperatorPolicy and self.plan is None:
+            del fields["context_fn"]  # made again for the copied policy (OperatorPolicy.__reduce__)
+        return (_restored_state, (policy, fields))
 
 
-def _restored_state(policy: Any, settings: tuple | None, fields: dict[str, Any]) -> BlockCheckpoint:
-    if settings is not None:
-        policy = OperatorPolicy(*settings)
+def _restored_state(policy: Any, fields: dict[str, Any]) -> BlockCheckpoint:
+    if "context_fn" not in fields:
         fields["context_fn"] = block_context_fn(policy, fields["name"])
     return BlockCheckpoint(policy=policy, **fields)
 

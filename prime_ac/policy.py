@@ -107,6 +107,11 @@ class OperatorPolicy:
             return _SAVE if self.scoped.keeps_now(op, args) else _RECOMPUTE
         return _SAVE
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # decisions are keyed by operator objects, which do not pickle: a copy starts afresh
+        # (and blocks sharing a policy share its copy, so compiled blocks still share a graph)
+        return (OperatorPolicy, (self.mode, self.targets, self.mandatory, self.scoped))
+
     def __repr__(self) -> str:
         return (
             f"OperatorPolicy(mode={self.mode!r}, "

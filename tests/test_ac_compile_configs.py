@@ -10,6 +10,7 @@ compiled function, with and without ``fullgraph``.
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -234,3 +235,26 @@ def test_random_configuration_pairs_compile_their_own_graphs(first, second, full
         prime_ac.checkpoint_blocks(model, blocks=lambda n, m: isinstance(m, Block), **config)
         eager, _ = track_step(model, lambda m: m(_inputs()).sum())
         assert _saved_bytes(model.parameters(), _compile_blocks(model)) == eager, config
+
+
+def test_a_copied_model_compiles_one_graph_for_its_blocks():
+    """A deep copy's blocks share one copied policy (not one each), so compiled one by one they
+    share one graph, as the original's do; the copy trains as the original."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = Model()
+    model.layers.append(Block())
+    prime_ac.checkpoint_blocks(
+        model, blocks=lambda n, m: isinstance(m, Block), mode="selective", targets=["aten::mm"]
+    )
+    twin = copy.deepcopy(model)
+    policies = {id(layer._prime_ac.policy) for layer in twin.layers}
+    assert len(policies) == 1 and id(model.layers[0]._prime_ac.policy) not in policies
+    grads = []
+    for m in (model, twin):
+        _compile_blocks(m)(_inputs()).sum().backward()
+        grads.append([p.grad for p in m.parameters()])
+    assert counters["stats"]["unique_graphs"] == 2  # one per policy, not one per block
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
