@@ -237,11 +237,9 @@ def fa2_backward(
 # --- FA3 ---------------------------------------------------------------------------------------
 
 
-def fa3_forward(q: Tensor, k: Tensor, v: Tensor, a: VarlenArgs) -> tuple[Tensor, Tensor]:
-    out, lse, _, _ = _fa3().fwd(
-        q=q,
-        k=k,
-        v=v,
+def _fa3_options(a: VarlenArgs) -> dict:
+    """``a`` under the keyword names FA3's ``fwd`` and ``bwd`` share."""
+    return dict(
         cu_seqlens_q=a.cu_seqlens_q,
         cu_seqlens_k=a.cu_seqlens_k,
         max_seqlen_q=a.max_seqlen_q,
@@ -252,6 +250,10 @@ def fa3_forward(q: Tensor, k: Tensor, v: Tensor, a: VarlenArgs) -> tuple[Tensor,
         window_size_right=a.window_size_right,
         softcap=a.softcap,
     )
+
+
+def fa3_forward(q: Tensor, k: Tensor, v: Tensor, a: VarlenArgs) -> tuple[Tensor, Tensor]:
+    out, lse, _, _ = _fa3().fwd(q=q, k=k, v=v, **_fa3_options(a))
     if k.shape[0] == 0:  # no key in the whole batch: FA3 skips the kernel and writes +inf
         lse.fill_(-_INF)
     return out, lse
@@ -273,15 +275,7 @@ def fa3_backward(
         dq=dq,
         dk=dk,
         dv=dv,
-        cu_seqlens_q=a.cu_seqlens_q,
-        cu_seqlens_k=a.cu_seqlens_k,
-        max_seqlen_q=a.max_seqlen_q,
-        max_seqlen_k=a.max_seqlen_k,
-        softmax_scale=a.softmax_scale,
-        is_causal=a.causal,
-        window_size_left=a.window_size_left,
-        window_size_right=a.window_size_right,
-        softcap=a.softcap,
+        **_fa3_options(a),
         deterministic=False,
     )
     return dq, dk, dv
