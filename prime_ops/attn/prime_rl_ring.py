@@ -38,10 +38,11 @@ import torch
 from torch import Tensor
 
 from prime_ops._compat import all_gather_single, reduce_scatter_single
-from prime_ops.attn.sdpa import lse_dtype
 from prime_ops.attn.varlen import (
     Backend,
     VarlenArgs,
+    _empty_outputs,
+    _register_autograd,
     check_arguments,
     get_backend,
     head_dim_strided,
@@ -226,8 +227,7 @@ def _(q, k, v, cu_q, cu_k, max_q, max_k, start, stop, stride, causal, group_name
     spec = _backend(attention_backend)
     a = _args(q, cu_q, cu_k, max_q, max_k, causal, left, right, softmax_scale, softcap)
     _check(q, k, v, None, start, stop, stride, spec, a)
-    out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
-    return out, q.new_empty(q.shape[1], q.shape[0], dtype=lse_dtype(q.dtype))
+    return _empty_outputs(q, v)
 
 
 @torch.library.custom_op("prime_rl_ring::attention_backward", mutates_args=())
@@ -293,20 +293,4 @@ def _(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, start, stop, stride, ca
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, *rest = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
-    ctx.rest = rest
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-    grads = _attention_backward(
-        dout.contiguous(), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.rest
-    )
-    return (*grads, None, None, *(None for _ in ctx.rest))
-
-
-_attention.register_autograd(_backward, setup_context=_setup_context)
+_register_autograd(_attention, _attention_backward)

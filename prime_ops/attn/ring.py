@@ -35,6 +35,8 @@ from prime_ops.attn.seqlens import can_read, shard_cu_seqlens, spans
 from prime_ops.attn.varlen import (
     VarlenArgs,
     _default_scale,
+    _empty_outputs,
+    _register_autograd,
     check_arguments,
     get_backend,
     head_dim_strided,
@@ -175,8 +177,7 @@ def _ring_attention(
 @_ring_attention.register_fake
 def _(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, softcap, group_name, backend):
     _check(q, k, v, cu_seqlens, max_seqlen, softmax_scale, softcap, backend)
-    out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
-    return out, q.new_empty(q.shape[1], q.shape[0], dtype=lse_dtype(q.dtype))
+    return _empty_outputs(q, v)
 
 
 @torch.library.custom_op("prime_rl_attn::ring_attention_backward", mutates_args=())
@@ -241,23 +242,7 @@ def _(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, scale, softcap, g
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens, *rest = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
-    ctx.rest = rest
-    ctx.mark_non_differentiable(lse)
-
-
-def _ring_backward(ctx, dout, _dlse):
-    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-    dq, dk, dv = _ring_attention_backward(
-        dout.contiguous(), q, k, v, out, lse, cu_seqlens, *ctx.rest
-    )
-    return (dq, dk, dv) + (None,) * 7
-
-
-_ring_attention.register_autograd(_ring_backward, setup_context=_setup_context)
+_register_autograd(_ring_attention, _ring_attention_backward, num_offsets=1)
 
 
 def _fingerprint(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, softcap, backend):

@@ -344,6 +344,32 @@ def check_arguments(
     backend.limits(q.shape[2], v.shape[2], flash.cuda_arch(q.device), grads is not None)
 
 
+def _empty_outputs(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """A fake's ``(out [T, H, Dv], lse [H, T])`` for the queries ``q`` and values ``v``."""
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    return out, q.new_empty(q.shape[1], q.shape[0], dtype=sdpa.lse_dtype(q.dtype))
+
+
+def _register_autograd(forward_op, backward_op, num_offsets: int = 2) -> None:
+    """Autograd for ``forward_op(q, k, v, *offsets, *rest) -> (out, lse)`` through
+    ``backward_op(dout, q, k, v, out, lse, *offsets, *rest)``: the first ``num_offsets``
+    arguments after ``v`` are tensors to save, the rest (sizes, flags, names) are kept as given."""
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, *rest = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse, *rest[:num_offsets])
+        ctx.rest = rest[num_offsets:]
+        ctx.mark_non_differentiable(lse)
+
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, *offsets = ctx.saved_tensors
+        dq, dk, dv = backward_op(dout.contiguous(), q, k, v, out, lse, *offsets, *ctx.rest)
+        return (dq, dk, dv) + (None,) * (len(offsets) + len(ctx.rest))
+
+    forward_op.register_autograd(backward, setup_context=setup_context)
+
+
 def _define(backend: Backend):
     """Register ``prime_rl_attn::{op}_varlen`` and its ``_backward`` with fakes and autograd,
     under the backend's :class:`Schema`.
@@ -373,8 +399,7 @@ def _define(backend: Backend):
     @forward_op.register_fake
     def _(q, k, v, cu_q, cu_k, *rest, **named):
         check_arguments(BACKENDS[backend.name], q, k, v, schema.bind(q, k, cu_q, cu_k, rest, named))
-        out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
-        return out, q.new_empty(q.shape[1], q.shape[0], dtype=sdpa.lse_dtype(q.dtype))
+        return _empty_outputs(q, v)
 
     def backward_kernel(dout, q, k, v, out, lse, cu_q, cu_k, *rest, **named):
         spec = BACKENDS[backend.name]
@@ -399,21 +424,7 @@ def _define(backend: Backend):
         check_arguments(BACKENDS[backend.name], q, k, v, a, grads=(dout, out, lse))
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
-    def setup_context(ctx, inputs, output):
-        q, k, v, cu_seqlens_q, cu_seqlens_k, *rest = inputs
-        out, lse = output
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
-        ctx.rest = rest
-        ctx.mark_non_differentiable(lse)
-
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-        dq, dk, dv = backward_op(
-            dout.contiguous(), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.rest
-        )
-        return (dq, dk, dv) + (None,) * (2 + len(ctx.rest))
-
-    forward_op.register_autograd(backward, setup_context=setup_context)
+    _register_autograd(forward_op, backward_op)
     return forward_op, backward_op
 
 
