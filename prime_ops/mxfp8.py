@@ -192,6 +192,15 @@ def _row_width(x: Tensor) -> int:
     return width
 
 
+def _exchange_quantized(x, output_splits, input_splits, group_name, scale_rule, quantizer):
+    """The quantised exchange of both ops: rows travel as MXFP8 bytes, arrive in ``x.dtype``."""
+    wire = _pack(x, scale_rule, quantizer)
+    received = torch.ops.prime_rl_collectives.all_to_all_single(
+        wire, output_splits, input_splits, group_name
+    )
+    return _unpack(received, x)
+
+
 def _check(x: Tensor, scale_rule: str, quantizer: str, op: str = "mxfp8_all_to_all_single"):
     _check_tensor(x, op)
     if x.dim() < 2:
@@ -213,11 +222,7 @@ def _mxfp8_all_to_all_single(
     """Quantise rows of ``x``, all-to-all them as bytes, dequantise to ``x.dtype``."""
     with rank_local("mxfp8_all_to_all_single", resolve_name(group_name, "mxfp8_all_to_all_single")):
         _check(x, scale_rule, quantizer)
-    wire = _pack(x, scale_rule, quantizer)
-    received = torch.ops.prime_rl_collectives.all_to_all_single(
-        wire, output_splits, input_splits, group_name
-    )
-    return _unpack(received, x)
+    return _exchange_quantized(x, output_splits, input_splits, group_name, scale_rule, quantizer)
 
 
 @_mxfp8_all_to_all_single.register_fake
@@ -232,9 +237,10 @@ def _(x, output_splits, input_splits, group_name, quantize_grad, scale_rule, qua
 
 
 def _setup(ctx, inputs, output):
-    x, output_splits, input_splits, group_name, quantize_grad, scale_rule, quantizer = inputs
+    """Both ops' setup_context: their backward exchanges back (splits swapped), same options."""
+    x, output_splits, input_splits, *options = inputs
     ctx.rows = x.shape[0]
-    ctx.options = (group_name, quantize_grad, scale_rule, quantizer)
+    ctx.options = tuple(options)
     ctx.save_for_backward(output_splits, input_splits)
 
 
@@ -312,11 +318,7 @@ def _mxfp8_all_to_all(
         return torch.ops.prime_rl_collectives.all_to_all_single(
             x.contiguous(), output_splits, input_splits, group_name
         )
-    wire = _pack(x, scale_rule, quantizer)
-    received = torch.ops.prime_rl_collectives.all_to_all_single(
-        wire, output_splits, input_splits, group_name
-    )
-    return _unpack(received, x)
+    return _exchange_quantized(x, output_splits, input_splits, group_name, scale_rule, quantizer)
 
 
 @_mxfp8_all_to_all.register_fake
@@ -326,13 +328,6 @@ def _(x, output_splits, input_splits, group_name, quantized, scale_rule="rceil",
         x, output_splits, input_splits, group_name
     )
     return x.new_empty((received.shape[0], *x.shape[1:]))
-
-
-def _a2a_setup(ctx, inputs, output):
-    x, output_splits, input_splits, group_name, quantized, scale_rule, quantizer = inputs
-    ctx.rows = x.shape[0]
-    ctx.options = (group_name, quantized, scale_rule, quantizer)
-    ctx.save_for_backward(output_splits, input_splits)
 
 
 def _a2a_backward(ctx, grad):
@@ -348,7 +343,7 @@ def _a2a_backward(ctx, grad):
     return grad_x, None, None, None, None, None, None
 
 
-_mxfp8_all_to_all.register_autograd(_a2a_backward, setup_context=_a2a_setup)
+_mxfp8_all_to_all.register_autograd(_a2a_backward, setup_context=_setup)
 
 
 def _front(op, x, output_splits, input_splits, group, options: dict) -> tuple[Tensor, Tensor]:
