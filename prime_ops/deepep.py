@@ -309,11 +309,9 @@ def _check_x(name: str, x: torch.Tensor) -> None:
         raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
 
 
-def _check_dispatch(x, topk_idx, topk_weights, num_experts, num_local_experts) -> None:
-    check_same_device(
-        "deepep::dispatcher_dispatch", x=x, topk_idx=topk_idx, topk_weights=topk_weights
-    )
-    _check_x("x", x)
+def _check_topk(x, topk_idx, topk_weights, weights_hint: str = "") -> None:
+    """A dispatch's routing: int64 ``topk_idx`` and float32 ``topk_weights``, both contiguous
+    ``[tokens of x, topk]``; ``weights_hint`` says in the error how the caller makes the weights."""
     if topk_idx.dtype != torch.int64 or topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
         raise ValueError(
             f"topk_idx must be int64 [tokens, topk] with tokens={x.shape[0]}, got dtype "
@@ -322,10 +320,19 @@ def _check_dispatch(x, topk_idx, topk_weights, num_experts, num_local_experts) -
     _check_rows("topk_idx", topk_idx, x.shape[0], None)
     if topk_weights.dtype != torch.float32 or topk_weights.shape != topk_idx.shape:
         raise ValueError(
-            f"topk_weights must be float32 with the shape of topk_idx {tuple(topk_idx.shape)}, "
-            f"got dtype {topk_weights.dtype} and shape {tuple(topk_weights.shape)}"
+            f"topk_weights must be float32 with the shape of topk_idx {tuple(topk_idx.shape)}"
+            f"{weights_hint}, got dtype {topk_weights.dtype} and shape "
+            f"{tuple(topk_weights.shape)}"
         )
     _check_rows("topk_weights", topk_weights, x.shape[0], topk_idx.shape[1])
+
+
+def _check_dispatch(x, topk_idx, topk_weights, num_experts, num_local_experts) -> None:
+    check_same_device(
+        "deepep::dispatcher_dispatch", x=x, topk_idx=topk_idx, topk_weights=topk_weights
+    )
+    _check_x("x", x)
+    _check_topk(x, topk_idx, topk_weights)
     if num_local_experts <= 0 or num_experts % num_local_experts:
         raise ValueError(
             f"num_local_experts={num_local_experts} must be positive and divide "
@@ -452,14 +459,18 @@ def _dispatch_setup(ctx, inputs, output):
     ctx.recv = [(t.shape, t.dtype, t.device) for t in (output[0], output[2])]
 
 
+def _dense_grads(grads, outputs) -> list[torch.Tensor]:
+    """A dispatch's incoming gradients made contiguous, zeros where autograd passed None (an
+    unused output); ``outputs`` holds each output's ``(shape, dtype, device)``."""
+    return [
+        torch.zeros(shape, dtype=dtype, device=device) if g is None else g.contiguous()
+        for g, (shape, dtype, device) in zip(grads, outputs, strict=True)
+    ]
+
+
 def _dispatch_grad(ctx, grad_recv_x, _idx, grad_recv_weights, _counts, _handle):
     recv_idx, handle = ctx.saved_tensors
-    grads = [
-        torch.zeros(shape, dtype=dtype, device=device) if g is None else g.contiguous()
-        for g, (shape, dtype, device) in zip(
-            (grad_recv_x, grad_recv_weights), ctx.recv, strict=True
-        )
-    ]
+    grads = _dense_grads((grad_recv_x, grad_recv_weights), ctx.recv)
     grad_x, grad_weights = torch.ops.deepep.dispatcher_dispatch_backward(
         *grads, recv_idx, handle, ctx.dispatcher, ctx.num_tokens
     )

@@ -38,7 +38,15 @@ from typing import Any, NamedTuple
 import torch
 
 from prime_ops.backends import import_backend
-from prime_ops.deepep import BACKENDS, BUILD, _check_rows, _check_x, _supported_group_size
+from prime_ops.deepep import (
+    BACKENDS,
+    BUILD,
+    _check_rows,
+    _check_topk,
+    _check_x,
+    _dense_grads,
+    _supported_group_size,
+)
 from prime_ops.deepep_reference import ReferenceBuffer
 from prime_ops.devices import check_same_device
 
@@ -190,19 +198,7 @@ def _check_dispatch(x, topk_idx, topk_weights, num_experts) -> int:
             f"x has {x.shape[1]} columns; DeepEP moves bf16 rows in 16-byte units, so hidden must "
             "be a multiple of 8"
         )
-    if topk_idx.dtype != torch.int64 or topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
-        raise ValueError(
-            f"topk_idx must be int64 [tokens, topk] with tokens={x.shape[0]}, got dtype "
-            f"{topk_idx.dtype} and shape {tuple(topk_idx.shape)}"
-        )
-    _check_rows("topk_idx", topk_idx, x.shape[0], None)
-    if topk_weights.dtype != torch.float32 or topk_weights.shape != topk_idx.shape:
-        raise ValueError(
-            f"topk_weights must be float32 with the shape of topk_idx {tuple(topk_idx.shape)} "
-            f"(prime-rl passes top_scores.float()), got dtype {topk_weights.dtype} and shape "
-            f"{tuple(topk_weights.shape)}"
-        )
-    _check_rows("topk_weights", topk_weights, x.shape[0], topk_idx.shape[1])
+    _check_topk(x, topk_idx, topk_weights, " (prime-rl passes top_scores.float())")
     ranks = _buffer().group.size()
     if num_experts <= 0 or num_experts % ranks:
         raise ValueError(
@@ -312,12 +308,7 @@ def _dispatch_setup(ctx, inputs, output):
 
 def _dispatch_grad(ctx, grad_recv_x, grad_recv_topk_weights, *_):
     (handle_id,) = ctx.saved_tensors
-    grads = [
-        torch.zeros(shape, dtype=dtype, device=device) if g is None else g.contiguous()
-        for g, (shape, dtype, device) in zip(
-            (grad_recv_x, grad_recv_topk_weights), ctx.received, strict=True
-        )
-    ]
+    grads = _dense_grads((grad_recv_x, grad_recv_topk_weights), ctx.received)
     grad_x, grad_topk_weights = torch.ops.deepep.dispatch_backward(
         *grads, handle_id, ctx.num_tokens
     )
@@ -330,11 +321,16 @@ _dispatch.register_autograd(_dispatch_grad, setup_context=_dispatch_setup)
 # --- combine ------------------------------------------------------------------------------------
 
 
+def _check_replay(name: str, t: torch.Tensor, handle_id: torch.Tensor) -> None:
+    """What an op that replays a dispatch's layout on ``t`` checks in its kernel and its fake."""
+    _check_handle_id(handle_id)
+    _check_x(name, t)
+
+
 @torch.library.custom_op("deepep::combine", mutates_args=())
 def _combine(x: torch.Tensor, handle_id: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """Sum each token's rows back on the rank that sent it (prime-rl's ``deepep::combine``)."""
-    _check_handle_id(handle_id)
-    _check_x("x", x)
+    _check_replay("x", x, handle_id)
     handle = _lookup(handle_id)
     _check_rows("x", x, handle.num_recv, None)
     if num_tokens != handle.num_tokens:
@@ -348,8 +344,7 @@ def _combine(x: torch.Tensor, handle_id: torch.Tensor, num_tokens: int) -> torch
 
 @_combine.register_fake
 def _(x, handle_id, num_tokens):
-    _check_handle_id(handle_id)
-    _check_x("x", x)
+    _check_replay("x", x, handle_id)
     return x.new_empty(num_tokens, x.shape[1])
 
 
@@ -357,8 +352,7 @@ def _(x, handle_id, num_tokens):
 def _combine_backward(
     grad: torch.Tensor, handle_id: torch.Tensor, num_recv_tokens: int
 ) -> torch.Tensor:
-    _check_handle_id(handle_id)
-    _check_x("grad", grad)
+    _check_replay("grad", grad, handle_id)
     handle = _lookup(handle_id)
     _check_rows("grad", grad, handle.num_tokens, None)
     if num_recv_tokens != handle.num_recv:
@@ -373,8 +367,7 @@ def _combine_backward(
 
 @_combine_backward.register_fake
 def _(grad, handle_id, num_recv_tokens):
-    _check_handle_id(handle_id)
-    _check_x("grad", grad)
+    _check_replay("grad", grad, handle_id)
     return grad.new_empty(num_recv_tokens, grad.shape[1])
 
 
