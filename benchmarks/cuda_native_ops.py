@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
-from native_ops import inputs, machine, paired, rows  # this script's directory
+from native_ops import inputs, paired, rows  # this script's directory
+from report import machine
 
 from prime_ops import native
 

@@ -27,10 +27,7 @@ and the number of operators the recompute replays.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -247,24 +244,6 @@ def speed(tokens: int, dim: int, top_k: int, experts: int, heads: int, rounds: i
     return {name: paired(row, rounds) for name, row in rows(t, experts).items()}
 
 
-def machine() -> dict:
-    """Where and when the numbers were taken."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {
-        "cpu": cpu,
-        "cores_usable": len(os.sched_getaffinity(0)),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "load_average": [round(v, 2) for v in os.getloadavg()],
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-    }
-
-
 # --- memory ---------------------------------------------------------------------------------------
 
 
@@ -360,20 +339,17 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     sizes = {"tokens": 256 if args.small else 4096, "dim": 2048, "top_k": 8, "experts": 64}
     sizes["heads"] = 16
+    from report import header, load_average, machine  # benchmarks/ (the script's own folder)
+
     report = {"machine": machine(), "sizes": sizes, "rounds": args.rounds}
     report["speed"] = speed(**sizes, rounds=args.rounds)
     report["memory"] = memory(**sizes)
-    report["load_average_after"] = [round(v, 2) for v in os.getloadavg()]
+    report["load_average_after"] = load_average()
     if args.json:
         print(json.dumps(report, indent=2))
         return
-    m = report["machine"]
-    print(
-        f"{m['cpu']}, {m['cores_usable']} cores usable, {m['date']}, load average "
-        f"{m['load_average'][0]} before / {report['load_average_after'][0]} after; torch "
-        f"{m['torch']} on {m['torch_threads']} thread(s); sizes {sizes}; thread CPU time, "
-        f"medians of {args.rounds} interleaved rounds"
-    )
+    how = f"sizes {sizes}; thread CPU time, medians of {args.rounds} interleaved rounds"
+    print(header(report["machine"], report["load_average_after"], how))
     print(f"{'op':34} {'PyTorch side':52} {'ratio':>6} {'PyTorch ms':>10} {'native ms':>10}")
     for name, r in report["speed"].items():
         print(

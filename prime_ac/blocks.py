@@ -801,9 +801,9 @@ def _declares_unsupported(module: nn.Module) -> str | None:
     passes its blocks caches they change in place, and says so."""
     for flag in _SUPPORT_FLAGS:
         owner = next((c for c in type(module).__mro__ if flag in c.__dict__), None)
-        if owner is not None and owner.__dict__[flag] is False:
-            if owner.__name__ not in _LIBRARY_BASES:
-                return f"{owner.__name__}.{flag} = False"
+        declared_off = owner is not None and owner.__dict__[flag] is False
+        if declared_off and owner.__name__ not in _LIBRARY_BASES:
+            return f"{owner.__name__}.{flag} = False"
     return None
 
 

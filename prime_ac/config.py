@@ -233,9 +233,11 @@ def _prime_rl_meaning(table: Mapping[str, Any]) -> dict[str, Any]:
         )
     parts = [key for key in _PART_FLAGS if key in table and table[key] is not False]
     targets = table.get("targets")
-    named_parts = [t for t in targets or () if t in _PART_TARGETS] if isinstance(
-        targets, (list, tuple)
-    ) else []
+    named_parts = (
+        [t for t in targets or () if t in _PART_TARGETS]
+        if isinstance(targets, (list, tuple))
+        else []
+    )
     if parts or named_parts:
         named = [f"{key}={table[key]!r}" for key in parts] or [f"targets={named_parts!r}"]
         raise ValueError(
@@ -273,4 +275,3 @@ def _keeps_targets(mode: Any, layer_modes: Any) -> bool:
     return any(
         m == "selective" or (isinstance(m, (list, tuple)) and "selective" in m) for m in layer_modes
     )
-

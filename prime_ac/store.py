@@ -267,7 +267,7 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     first = t.storage_offset() * t.element_size()
     if t.numel() == 0:
         return first, first
-    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.size(), t.stride()))
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.size(), t.stride(), strict=True))
     return first, first + extent * t.element_size()
 
 

@@ -43,15 +43,23 @@ logger = logging.getLogger("prime_ac")
 # Namespaces whose operators communicate with other ranks: a recompute that replays one must
 # replay it on every rank.
 COMMUNICATION_NAMESPACES = frozenset(
-    {"_c10d_functional", "c10d", "c10d_functional", "prime_rl_collectives", "prime_rl_ring",
-     "deepep"}
+    {
+        "_c10d_functional",
+        "c10d",
+        "c10d_functional",
+        "prime_rl_collectives",
+        "prime_rl_ring",
+        "deepep",
+    }
 )
 
 
 def _several_ranks() -> bool:
     distributed = torch.distributed
-    return distributed.is_available() and distributed.is_initialized() and (
-        distributed.get_world_size() > 1
+    return (
+        distributed.is_available()
+        and distributed.is_initialized()
+        and (distributed.get_world_size() > 1)
     )
 
 
@@ -358,7 +366,9 @@ class MeasuringKeepMode(KeepMode):
                 self._hooks.__exit__(*exc)
         if exc[0] is None:
             tensors = [
-                t for entries in self.store.entries.values() for e in entries.values()
+                t
+                for entries in self.store.entries.values()
+                for e in entries.values()
                 for t in e.tensors
             ]
             self.kept_bytes = sum(_storages(tensors).values())

@@ -286,9 +286,7 @@ def _all_gather_backward(ctx, grad):
 _all_gather.register_autograd(_all_gather_backward, setup_context=_gather_scatter_setup)
 
 
-@torch.library.custom_op(
-    f"{NAMESPACE}::reduce_scatter_sum", mutates_args=(), schema=_GATHER_SCHEMA
-)
+@torch.library.custom_op(f"{NAMESPACE}::reduce_scatter_sum", mutates_args=(), schema=_GATHER_SCHEMA)
 def _reduce_scatter_sum(
     x: torch.Tensor, dim: int, group_size: int, group_name: str
 ) -> torch.Tensor:

@@ -145,8 +145,8 @@ def resolve_call(group: Any, op: str) -> dist.ProcessGroup:
         if group is dist.GroupMember.NON_GROUP_MEMBER or not checked_mode(dist.group.WORLD):
             raise
 
-        def rejected() -> Fingerprint:
-            raise exc
+        def rejected(error: ValueError = exc) -> Fingerprint:
+            raise error
 
         agree(op, dist.group.WORLD, rejected)
         raise  # unreachable: agree raised on every rank

@@ -133,7 +133,9 @@ def test_a_block_holding_at_least_no_ac_runs_without_checkpointing_from_then_on(
     first = checkpoint_state(model[0]).watch.bytes
     assert all(kept >= no_ac > 0 for kept, no_ac in first.values()), first
     logged = _bypassed(caplog)
-    assert len(logged) == 2 and all(f"block '{b}' keeps" in m for b, m in zip("01", logged))
+    assert len(logged) == 2 and all(
+        f"block '{b}' keeps" in m for b, m in zip("01", logged, strict=True)
+    )
     kept, no_ac = first["0"]
     assert f"keeps {kept / 2**20:.2f} MiB" in logged[0]
     assert f"would hold {no_ac / 2**20:.2f} MiB" in logged[0]
@@ -271,8 +273,11 @@ def _several_ranks_keep_a_block_that_replays_a_collective(rank, world_size):
     x = torch.randn(1024, 256, requires_grad=True, generator=torch.Generator().manual_seed(rank))
     _step(reference, x)
     prime_ac.checkpoint_blocks(model, mode="selective")
-    with pytest.warns(UserWarning, match=r"stays checkpointed: its recompute replays "
-                      r"_c10d_functional\.all_gather_into_tensor"):
+    with pytest.warns(
+        UserWarning,
+        match=r"stays checkpointed: its recompute replays "
+        r"_c10d_functional\.all_gather_into_tensor",
+    ):
         _step(model, x)
     assert_bitwise_equal(grads(model), grads(reference))
     assert not any(checkpoint_state(block).bypassed for block in model)

@@ -161,7 +161,7 @@ def _matches(shown: str, line: str) -> bool:
 
 def check_shown(chain: list[Block], printed: list[str]) -> None:
     """Each ``# -> TEXT`` of a block is a line that block printed, in order."""
-    for block, out in zip(chain, printed):
+    for block, out in zip(chain, printed, strict=True):
         lines = iter(out.splitlines())
         for shown in block.shown:
             assert any(_matches(shown, line) for line in lines), (
@@ -177,9 +177,7 @@ def test_shown_output_is_checked():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "path, chain", [pytest.param(p, c, id=c[-1].where) for p, c in CHAINS]
-)
+@pytest.mark.parametrize("path, chain", [pytest.param(p, c, id=c[-1].where) for p, c in CHAINS])
 def test_python_blocks_run_as_pasted(path, chain, tmp_path):
     python = os.environ.get("PRIME_OPS_DOCS_PYTHON")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -416,9 +416,7 @@ def test_ops_reject_bad_inputs():
 def test_ops_refuse_mixed_devices():
     x, w = torch.randn(6, 128), torch.randn(3, 128, 128)
     offsets = torch.tensor([2, 4, 6], dtype=torch.int32)
-    with pytest.raises(
-        ValueError, match="one device, got x on cpu, weight on cpu, offs on meta"
-    ):
+    with pytest.raises(ValueError, match="one device, got x on cpu, weight on cpu, offs on meta"):
         fp8.grouped_fp8_gemm(x, w, offsets.to("meta"))
     with pytest.raises(ValueError, match="one device, got x on cpu, weight on meta"):
         fp8.fp8_blockwise_mm(x, w[0].to("meta"))

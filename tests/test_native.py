@@ -940,9 +940,7 @@ def test_an_unbuilt_library_says_how_to_build_it(fresh_cache):
 
 
 @pytest.mark.slow
-def test_a_library_cut_in_place_after_the_load_does_not_crash_the_process(
-    native_library, tmp_path
-):
+def test_a_library_cut_in_place_after_the_load_does_not_crash_the_process(native_library, tmp_path):
     """End to end, in a child process: load a copy of the real build, cut the cached file in
     place (an outside writer), then run native ops. Before, the process had mapped that file:
     bus error (SIGBUS) at the first call that touched a page past the cut."""

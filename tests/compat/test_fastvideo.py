@@ -291,12 +291,12 @@ def test_on_a_wan_dit_the_older_list_holds_more_than_the_current_one():
         "aten::_scaled_dot_product_flash_attention.default",
         "_c10d_functional::reduce_scatter_tensor.default",
     ]
+    def selective(names):
+        targets = targets_from_op_list(names)
+        return lambda m: prime_ac.checkpoint_blocks(m, mode="selective", targets=targets)
+
     kept = {
-        label: held(
-            lambda m, t=targets_from_op_list(names): prime_ac.checkpoint_blocks(
-                m, mode="selective", targets=t
-            )
-        )
+        label: held(selective(names))
         for label, names in [("older", older), ("current", FASTVIDEO_OP_LIST)]
     }
     assert kept["older"] > 2 * kept["current"]

@@ -222,7 +222,7 @@ def test_whole_block_checkpoint_preserves_rng_and_gradients(preserve):
     out, out_ref = _seeded_step(model, x), _seeded_step(reference, x_ref)
     assert torch.equal(out, out_ref)
     same = torch.equal(x.grad, x_ref.grad) and all(
-        torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), reference.parameters())
+        torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), reference.parameters(), strict=True)
     )
     assert same is preserve
 
@@ -278,7 +278,7 @@ def test_checkpoint_records_moe_routing_once(mode):
 
 
 def test_mandatory_targets_are_prime_rls():
-    assert PRIME_RL_MANDATORY <= set(MANDATORY_TARGETS)
+    assert set(MANDATORY_TARGETS) >= PRIME_RL_MANDATORY
 
 
 def test_default_targets_keep_what_prime_rl_keeps_but_the_all_gathers():
@@ -374,7 +374,7 @@ def _layers(n: int, names=None) -> nn.Module:
     if names is None:
         model.layers = nn.ModuleList(blocks)
     else:
-        model.layers = nn.ModuleDict(dict(zip(names, blocks)))
+        model.layers = nn.ModuleDict(dict(zip(names, blocks, strict=True)))
     return model
 
 
@@ -402,7 +402,7 @@ def test_layer_modes_give_each_layer_its_mode_bitwise():
 
     loss(model).backward()
     loss(reference).backward()
-    for a, b in zip(model.parameters(), reference.parameters()):
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
 
 
@@ -552,7 +552,7 @@ def test_a_kept_out_gemm_keeps_what_it_wrote_bitwise(quack_out_gemms, mode, runs
     # where it was not kept
     assert quack_out_gemms == {"gemm_out": 2 * runs, "gemm_act_out": 2 * runs}
     assert torch.equal(x.grad, x_ref.grad)
-    for a, b in zip(model.parameters(), reference.parameters()):
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
 
 

@@ -210,7 +210,9 @@ def _check_reduce_scatter(rank, world, g):
     xs = [_exact(g, (3, 2 * world)).requires_grad_() for _ in range(world)]
     want = list(torch.stack(xs).sum(0).chunk(world, 1))
     up = [_exact(g, w.shape) for w in want]
-    want_grad = torch.autograd.grad(sum((w * u).sum() for w, u in zip(want, up)), xs[rank])[0]
+    want_grad = torch.autograd.grad(
+        sum((w * u).sum() for w, u in zip(want, up, strict=True)), xs[rank]
+    )[0]
     x = xs[rank].detach().clone().requires_grad_()
     out = OPS.reduce_scatter_sum(x, 1, world, dist.group.WORLD.group_name)
     torch.testing.assert_close(out, want[rank], rtol=0, atol=0)
@@ -269,9 +271,7 @@ def _compiled_body(rank, world):
     g = torch.Generator().manual_seed(1)
     dispatcher = torch.compile(_torch_dispatcher_exchange, fullgraph=True, backend="aot_eager")
     _check_dispatcher(rank, world, dispatcher, g)
-    gather = torch.compile(
-        _gpt_oss_ring_gather, fullgraph=True, dynamic=True, backend="aot_eager"
-    )
+    gather = torch.compile(_gpt_oss_ring_gather, fullgraph=True, dynamic=True, backend="aot_eager")
     _check_gather(rank, world, gather, g)
     assert counters["graph_break"] == {}
 
