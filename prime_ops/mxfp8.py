@@ -370,6 +370,13 @@ def _front(op, x, output_splits, input_splits, group, options: dict) -> tuple[Te
     return group, *splits
 
 
+def _prime_rl_front(op, x, output_splits, input_splits, group, quantized, scale_rule, quantizer):
+    """prime-rl's dispatch and combine: the front's checks, then ``mxfp8_all_to_all``."""
+    options = {"scale_rule": scale_rule, "quantizer": quantizer}
+    group, *splits = _front(op, x, output_splits, input_splits, group, options)
+    return _mxfp8_all_to_all(x, *splits, group.group_name, quantized, scale_rule, quantizer)
+
+
 def mxfp8_all_to_all_dispatch(
     x: Tensor,
     output_splits: Tensor | Sequence[int],
@@ -387,10 +394,8 @@ def mxfp8_all_to_all_dispatch(
 
         out = mxfp8_all_to_all_dispatch(torch.randn(3, 64), [1, 1], [1, 2])  # rank 0: [2, 64]
     """
-    options = {"scale_rule": scale_rule, "quantizer": quantizer}
-    group, *splits = _front("mxfp8_all_to_all_dispatch", x, output_splits, input_splits, group,
-                            options)  # fmt: skip
-    return _mxfp8_all_to_all(x, *splits, group.group_name, True, scale_rule, quantizer)
+    op = "mxfp8_all_to_all_dispatch"
+    return _prime_rl_front(op, x, output_splits, input_splits, group, True, scale_rule, quantizer)
 
 
 def mxfp8_all_to_all_combine(
@@ -405,7 +410,5 @@ def mxfp8_all_to_all_combine(
     """prime-rl's ``mxfp8_all_to_all_combine``: expert outputs back in full precision
     (``quantized=False``); their gradient travels as MXFP8. ``x [N, ..., H]`` must be
     quantisable (``H`` a multiple of 32) since the backward quantises it."""
-    options = {"scale_rule": scale_rule, "quantizer": quantizer}
-    group, *splits = _front("mxfp8_all_to_all_combine", x, output_splits, input_splits, group,
-                            options)  # fmt: skip
-    return _mxfp8_all_to_all(x, *splits, group.group_name, False, scale_rule, quantizer)
+    op = "mxfp8_all_to_all_combine"
+    return _prime_rl_front(op, x, output_splits, input_splits, group, False, scale_rule, quantizer)
