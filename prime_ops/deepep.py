@@ -90,6 +90,28 @@ def _same_layout(a: Any, b: Any) -> bool:
     return a is b or (isinstance(a, (int, float, bool, str)) and a == b)
 
 
+def _check_backend_and_group(backend: str, group, hint: str = "") -> int:
+    """The backend name and a group size DeepEP runs on (returned); ``hint`` ends the group-size
+    error."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    ranks = group.size()
+    if not _supported_group_size(ranks):
+        raise ValueError(
+            f"the group has {ranks} rank(s); DeepEP's dispatch/combine run on 2, 4 or 8 ranks "
+            f"in a node or whole 8-GPU nodes (16, 24, 32, ...){hint}"
+        )
+    return ranks
+
+
+def _size_hints(deep_ep, ranks: int, hidden_bytes: int) -> tuple[int, int]:
+    """DeepEP's NVLink and RDMA buffer sizes for dispatch and combine of ``hidden_bytes`` rows."""
+    configs = (deep_ep.Buffer.get_dispatch_config(ranks), deep_ep.Buffer.get_combine_config(ranks))
+    nvl = max(c.get_nvl_buffer_size_hint(hidden_bytes, ranks) for c in configs)
+    rdma = max(c.get_rdma_buffer_size_hint(hidden_bytes, ranks) for c in configs)
+    return nvl, rdma
+
+
 def _supported_group_size(ranks: int) -> bool:
     # DeepEP's normal kernels: 2, 4 or 8 ranks over NVLink, or whole 8-GPU nodes over RDMA.
     return ranks in (2, 4, 8) or (ranks > 8 and ranks % 8 == 0)
@@ -124,15 +146,9 @@ class Dispatcher:
         num_rdma_bytes: int | None = None,
         **buffer_kwargs: Any,
     ) -> None:
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        ranks = group.size()
-        if not _supported_group_size(ranks):
-            raise ValueError(
-                f"the group has {ranks} rank(s); DeepEP's dispatch/combine run on 2, 4 or 8 ranks "
-                "in a node or whole 8-GPU nodes (16, 24, 32, ...); with one rank no token moves: "
-                "call the experts directly"
-            )
+        ranks = _check_backend_and_group(
+            backend, group, "; with one rank no token moves: call the experts directly"
+        )
         if num_experts <= 0 or num_experts % ranks:
             raise ValueError(
                 f"num_experts={num_experts} must be a positive multiple of the group size {ranks}"
@@ -258,13 +274,9 @@ class Dispatched(NamedTuple):
 
 
 def _deep_ep_buffer(deep_ep, group, hidden, num_nvl_bytes, num_rdma_bytes, buffer_kwargs):
-    ranks = group.size()
-    hidden_bytes = hidden * torch.bfloat16.itemsize
-    configs = (deep_ep.Buffer.get_dispatch_config(ranks), deep_ep.Buffer.get_combine_config(ranks))
-    if num_nvl_bytes is None:
-        num_nvl_bytes = max(c.get_nvl_buffer_size_hint(hidden_bytes, ranks) for c in configs)
-    if num_rdma_bytes is None:
-        num_rdma_bytes = max(c.get_rdma_buffer_size_hint(hidden_bytes, ranks) for c in configs)
+    nvl, rdma = _size_hints(deep_ep, group.size(), hidden * torch.bfloat16.itemsize)
+    num_nvl_bytes = nvl if num_nvl_bytes is None else num_nvl_bytes
+    num_rdma_bytes = rdma if num_rdma_bytes is None else num_rdma_bytes
     return deep_ep.Buffer(
         group, num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes, **buffer_kwargs
     )

@@ -39,13 +39,13 @@ import torch
 
 from prime_ops.backends import import_backend
 from prime_ops.deepep import (
-    BACKENDS,
     BUILD,
+    _check_backend_and_group,
     _check_rows,
     _check_topk,
     _check_x,
     _dense_grads,
-    _supported_group_size,
+    _size_hints,
 )
 from prime_ops.deepep_reference import ReferenceBuffer
 from prime_ops.devices import check_same_device
@@ -89,14 +89,7 @@ def create_buffer(
         recv_x, recv_w, order, counts, handle_id = torch.ops.deepep.dispatch(x, idx, w, 4)
     """
     global _current
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    ranks = group.size()
-    if not _supported_group_size(ranks):
-        raise ValueError(
-            f"the group has {ranks} rank(s); DeepEP's dispatch/combine run on 2, 4 or 8 ranks "
-            "in a node or whole 8-GPU nodes (16, 24, 32, ...)"
-        )
+    ranks = _check_backend_and_group(backend, group)
     if hidden_bytes <= 0 or hidden_bytes % 16:
         raise ValueError(
             f"hidden_bytes={hidden_bytes} must be a positive multiple of 16 (DeepEP moves rows "
@@ -107,11 +100,7 @@ def create_buffer(
             _current = _Buffer(ReferenceBuffer(group), group, backend, 0, 0, torch.int64)
         return _current.buffer
     deep_ep = import_backend("deep_ep", extra="deepep", build=BUILD)
-    nvl = rdma = 0
-    for config in (deep_ep.Buffer.get_dispatch_config(ranks),
-                   deep_ep.Buffer.get_combine_config(ranks)):  # fmt: skip
-        nvl = max(nvl, config.get_nvl_buffer_size_hint(hidden_bytes, ranks))
-        rdma = max(rdma, config.get_rdma_buffer_size_hint(hidden_bytes, ranks))
+    nvl, rdma = _size_hints(deep_ep, ranks, hidden_bytes)
     if (
         _current is None
         or _current.backend != backend
