@@ -355,6 +355,34 @@ def _check_dispatch(x, topk_idx, topk_weights, num_experts, num_local_experts) -
 # --- dispatch -----------------------------------------------------------------------------------
 
 
+def _route(buffer, index_dtype, x, topk_idx, topk_weights, num_experts, **dispatch_kwargs):
+    """DeepEP's layout of ``topk_idx`` (as the build's ``index_dtype``), then the dispatch along
+    it; returns ``(recv_x, recv_idx, recv_weights, counts, layout)``."""
+    # One host read before any communication: an out-of-range expert would silently route
+    # nowhere in DeepEP (its layout kernel skips it).
+    bad = (topk_idx < -1) | (topk_idx >= num_experts)
+    if bool(bad.any()):
+        raise ValueError(
+            f"topk_idx values must lie in [-1, num_experts={num_experts}) (-1 selects no expert), "
+            f"got {topk_idx[bad][:8].tolist()}"
+        )
+    topk_idx = topk_idx.to(index_dtype)
+    per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(
+        topk_idx, num_experts
+    )
+    *received, _ = buffer.dispatch(
+        x,
+        topk_idx=topk_idx,
+        topk_weights=topk_weights,
+        num_tokens_per_rank=per_rank,
+        num_tokens_per_rdma_rank=per_rdma_rank,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        **dispatch_kwargs,
+    )
+    return received
+
+
 @torch.library.custom_op("deepep::dispatcher_dispatch", mutates_args=())
 def _dispatch(
     x: torch.Tensor,
@@ -375,29 +403,10 @@ def _dispatch(
         )
     if x.shape[1] != owner.hidden:
         raise ValueError(f"x has {x.shape[1]} columns but the Dispatcher's hidden={owner.hidden}")
-    # One host read before any communication: an out-of-range expert would silently route
-    # nowhere in DeepEP (its layout kernel skips it).
-    bad = (topk_idx < -1) | (topk_idx >= num_experts)
-    if bool(bad.any()):
-        raise ValueError(
-            f"topk_idx values must lie in [-1, num_experts={num_experts}) (-1 selects no expert), "
-            f"got {topk_idx[bad][:8].tolist()}"
-        )
-    buffer = owner.buffer
-    topk_idx = topk_idx.to(owner.topk_idx_dtype)
-    per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(
-        topk_idx, num_experts
-    )
-    recv_x, recv_idx, recv_weights, counts, layout, _ = buffer.dispatch(
-        x,
-        topk_idx=topk_idx,
-        topk_weights=topk_weights,
-        num_tokens_per_rank=per_rank,
-        num_tokens_per_rdma_rank=per_rdma_rank,
-        is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert,
+    recv_x, recv_idx, recv_weights, counts, layout = _route(
+        owner.buffer, owner.topk_idx_dtype, x, topk_idx, topk_weights, num_experts,
         expert_alignment=expert_alignment,
-    )
+    )  # fmt: skip
     handle = owner._own(layout, x.shape[0], recv_x.shape[0], counts)
     tokens_per_expert = torch.tensor(counts, dtype=torch.int64)
     return recv_x, recv_idx.to(torch.int64), recv_weights, tokens_per_expert, handle

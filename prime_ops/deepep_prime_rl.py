@@ -45,6 +45,7 @@ from prime_ops.deepep import (
     _check_topk,
     _check_x,
     _dense_grads,
+    _route,
     _size_hints,
 )
 from prime_ops.deepep_reference import ReferenceBuffer
@@ -202,27 +203,9 @@ def _dispatch(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Send each token to the ranks of its experts (prime-rl's ``deepep::dispatch``)."""
     local = _check_dispatch(x, topk_idx, topk_weights, num_experts)
-    # One host read before any communication: DeepEP's layout kernel skips an out-of-range
-    # expert, so the token would silently route nowhere.
-    bad = (topk_idx < -1) | (topk_idx >= num_experts)
-    if bool(bad.any()):
-        raise ValueError(
-            f"topk_idx values must lie in [-1, num_experts={num_experts}) (-1 selects no expert), "
-            f"got {topk_idx[bad][:8].tolist()}"
-        )
     state = _buffer()
-    topk_idx = topk_idx.to(state.topk_idx_dtype)
-    per_rank, per_rdma_rank, per_expert, in_rank, _ = state.buffer.get_dispatch_layout(
-        topk_idx, num_experts
-    )
-    recv_x, recv_idx, recv_weights, counts, layout, _ = state.buffer.dispatch(
-        x,
-        topk_idx=topk_idx,
-        topk_weights=topk_weights,
-        num_tokens_per_rank=per_rank,
-        num_tokens_per_rdma_rank=per_rdma_rank,
-        is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert,
+    recv_x, recv_idx, recv_weights, counts, layout = _route(
+        state.buffer, state.topk_idx_dtype, x, topk_idx, topk_weights, num_experts
     )
     recv_idx = recv_idx.to(torch.int64)
     flat = recv_idx.flatten()
