@@ -37,7 +37,12 @@ from prime_ac.config import ACConfig
 from prime_ac.contexts import block_context_fn
 from prime_ac.policy import make_policy
 from prime_ac.scopes import scope_problems, split_targets, untrack
-from prime_ac.targets import TargetSet, registered_operators, translate_composites
+from prime_ac.targets import (
+    RELEASE_DEPENDENT_OPERATORS,
+    TargetSet,
+    registered_operators,
+    translate_composites,
+)
 from prime_ac.watch import Watch
 
 __all__ = ["checkpoint_blocks"]
@@ -438,6 +443,7 @@ def _report(problems: list[tuple[str, str]], strict: bool, configuration: Any = 
         for target, reason in problems
         if reason.startswith("names no registered")
         and target.split("::")[0].split("/")[-1] in _TORCH_NAMESPACES
+        and target.split("/")[-1].split(".")[0] not in RELEASE_DEPENDENT_OPERATORS
     ]
     if typos:
         raise ValueError(

@@ -25,6 +25,7 @@ __all__ = [
     "HOST_SYNC_TARGETS",
     "LEVEL_TARGETS",
     "MANDATORY_TARGETS",
+    "RELEASE_DEPENDENT_OPERATORS",
     "QUACK_GEMMS",
     "REPLAYED_BY_MODE",
     "Target",
@@ -86,6 +87,11 @@ QUACK_GEMMS: tuple[str, ...] = (
     "quack::gemm_norm_act_out",
     "quack::gemm_norm_gated_out",
 )
+# torch's own operators that some supported torch releases lack (2.9 has no ``_v2`` scaled GEMMs,
+# which torch 2.13's ``F.scaled_mm`` dispatches): a list naming them is right on every release,
+# so where they are missing they are reported as unregistered, never refused as typos.
+RELEASE_DEPENDENT_OPERATORS = frozenset({"aten::_scaled_mm_v2", "aten::_scaled_grouped_mm_v2"})
+
 _MATMUL = (
     "aten::mm",
     "aten::addmm",

@@ -190,6 +190,15 @@ def test_a_name_in_torchs_own_namespaces_that_names_nothing_raises(target, messa
     assert prime_ac.blocks.wrapped_blocks(model) == []  # refused before touching the model
 
 
+def test_torchs_operators_of_other_releases_are_never_refused_as_typos(model_factory):
+    # prime-rl's list names aten::_scaled_mm_v2 (torch 2.13's F.scaled_mm), which torch 2.9
+    # lacks: the same list must load on every supported torch
+    targets = ["aten::mm", *sorted(prime_ac.targets.RELEASE_DEPENDENT_OPERATORS)]
+    model = model_factory()
+    prime_ac.checkpoint_blocks(model, mode="selective", targets=targets)
+    assert prime_ac.blocks.wrapped_blocks(model)
+
+
 def test_composite_names_trainers_use_are_translated_to_what_dispatches():
     policy = make_policy("selective", ["aten::linear", "aten::_scaled_dot_product_attention_math"])
     assert decide(policy, aten.addmm.default) is SAVE and decide(policy, aten.mm.default) is SAVE

@@ -722,10 +722,15 @@ def test_the_built_library_verifies_and_a_cut_copy_does_not(native_library):
     assert native_build._elf_problem(b"\x7fELF" + bytes(60)) is not None  # 32-bit / empty
 
 
+def _flip(data: bytes, at: int) -> bytes:
+    return data[:at] + bytes([data[at] ^ 1]) + data[at + 1 :]
+
+
 DAMAGE = {  # what was done to a cached library, and the reason its load refuses it
     "cut, record of the whole": ("holds", lambda d: (d[: len(d) // 2], d)),
     "cut, record of the cut bytes": ("truncated", lambda d: (d[: len(d) // 2], d[: len(d) // 2])),
-    "same size, other bytes": ("differ", lambda d: (d[:99] + bytes([d[99] ^ 1]) + d[100:], d)),
+    # a byte mid-file (past the ELF and program headers, whose extents are checked first)
+    "same size, other bytes": ("differ", lambda d: (_flip(d, len(d) // 2), d)),
     "not an ELF file": ("not a 64-bit ELF", lambda d: (b"garbage", b"garbage")),
     "no record": ("is missing", lambda d: (d, None)),
 }

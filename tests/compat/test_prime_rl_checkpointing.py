@@ -151,8 +151,9 @@ def test_selective_policy_saves_default_and_custom_targets():
         aten.addmm.default,
         aten.bmm.default,
         aten._grouped_mm.default,
-        aten._scaled_mm_v2.default,
-        aten._scaled_grouped_mm_v2.default,
+        # the _v2 scaled GEMMs exist from torch 2.10 on
+        *(getattr(aten, name).default for name in ("_scaled_mm_v2", "_scaled_grouped_mm_v2")
+          if hasattr(aten, name)),
         collectives.all_to_all_single_equal.default,
         collectives.mxfp8_all_to_all.default,
     ):
@@ -594,5 +595,10 @@ def _all_gather_bytes(rank, world_size):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 10),
+    reason="torch 2.9's functional all-gather (no _wrap_tensor_autograd) measures the same bytes "
+    "kept or replayed; the figure the docs quote is torch 2.13's",
+)
 def test_keeping_fsdp_all_gathers_would_hold_the_unsharded_weights():
     run_distributed(_all_gather_bytes, 2)
