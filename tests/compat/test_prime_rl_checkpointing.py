@@ -152,8 +152,11 @@ def test_selective_policy_saves_default_and_custom_targets():
         aten.bmm.default,
         aten._grouped_mm.default,
         # the _v2 scaled GEMMs exist from torch 2.10 on
-        *(getattr(aten, name).default for name in ("_scaled_mm_v2", "_scaled_grouped_mm_v2")
-          if hasattr(aten, name)),
+        *(
+            getattr(aten, name).default
+            for name in ("_scaled_mm_v2", "_scaled_grouped_mm_v2")
+            if hasattr(aten, name)
+        ),
         collectives.all_to_all_single_equal.default,
         collectives.mxfp8_all_to_all.default,
     ):
@@ -223,7 +226,8 @@ def test_whole_block_checkpoint_preserves_rng_and_gradients(preserve):
     out, out_ref = _seeded_step(model, x), _seeded_step(reference, x_ref)
     assert torch.equal(out, out_ref)
     same = torch.equal(x.grad, x_ref.grad) and all(
-        torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), reference.parameters(), strict=True)
+        torch.equal(a.grad, b.grad)
+        for a, b in zip(model.parameters(), reference.parameters(), strict=True)
     )
     assert same is preserve
 
