@@ -9,6 +9,8 @@ prime_ac's own mode classes (keyed by those classes, so no other mode sees them)
 from __future__ import annotations
 
 import inspect
+import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,6 +35,7 @@ __all__ = [
     "is_composite_implicit",
     "is_traceable_wrapper_subclass",
     "is_tracing",
+    "own_code_function",
     "operator_parts",
     "redirect_hops",
     "sac_context",
@@ -283,3 +286,29 @@ def top_saved_tensors_hooks() -> tuple[Any, Any] | None:
     pushes onto. Public replacement: none (torch.autograd.graph can push hooks, not read them).
     """
     return torch._C._autograd._top_saved_tensors_default_hooks(True)
+
+
+def _calling(function: Callable[..., Any], args: tuple) -> Callable[[], Any]:
+    def call() -> Any:
+        return function(*args)
+
+    return call
+
+
+def own_code_function(function: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+    """A function of no arguments calling ``function(*args)``, with a code object of its own.
+
+    dynamo takes a checkpoint's ``context_fn`` as a constant and guards it by its ``__code__``
+    alone (torch 2.9-2.14: ``CLOSURE_MATCH``), so two closures of one ``def`` share a compiled
+    graph; a code object of its own makes dynamo compile one graph per function. torch 2.9 takes
+    no ``functools.partial`` holding an object of a user class, so this is the form that every
+    supported torch traces. Public replacement: none.
+    """
+    template = _calling(function, args)
+    return types.FunctionType(
+        template.__code__.replace(),  # an equal but distinct code object
+        template.__globals__,
+        template.__name__,
+        None,
+        template.__closure__,
+    )

@@ -323,7 +323,7 @@ class _CheckpointedBlock(nn.Module):
                 preserve_rng_state=state.preserve_rng_state,
                 **options,
             )
-        args, kwargs, copies = _without_cache(state.name, state.original_class, args, kwargs)
+        args, kwargs, copies = _without_cache(state, args, kwargs)
         if torch.compiler.is_compiling():  # compiled code applies buffer writes once anyway
             region, context_fn = _call, compiled_block_context_fn(state.policy)
         else:
@@ -401,10 +401,12 @@ def _is_cache_object(value: Any) -> bool:
 
 
 def _without_cache(
-    name: str, cls: type, args: tuple, kwargs: dict[str, Any]
+    state: BlockCheckpoint, args: tuple, kwargs: dict[str, Any]
 ) -> tuple[tuple, dict[str, Any], dict[int | str, Any]]:
     """The block's arguments with an empty cache left out, plus copies of the per-layer states
-    its recompute must read; ValueError for a filled cache.
+    its recompute must read; ValueError for a filled cache. The block's name is read only for a
+    message: torch 2.9's dynamo guards a string passed on, which would compile one graph per
+    block.
 
     A cache is recognised by keyword, by position (the block's ``forward`` names the parameter
     as one of ``_CACHE_NAMES``: RecurrentGemma passes ``cache`` positionally), or by type (an
@@ -419,7 +421,7 @@ def _without_cache(
     tensors under a cache name are per-layer states: the recompute gets a copy of them as they
     were before the forward (see :class:`_Region`).
     """
-    named = dict(_cache_positions(cls))
+    named = dict(_cache_positions(state.original_class))
     found: list[tuple[int | str, str, Any]] = [
         (key, key, kwargs[key]) for key in _CACHE_NAMES if kwargs.get(key) is not None
     ]
@@ -438,7 +440,7 @@ def _without_cache(
             continue
         if cache.get_seq_length() == 0:
             warnings.warn(
-                f"prime_ac: checkpointed block {name!r} runs without its empty {key} "
+                f"prime_ac: checkpointed block {state.name!r} runs without its empty {key} "
                 f"({type(cache).__name__}) in training, as transformers' gradient checkpointing "
                 "does; pass use_cache=False to the model to silence this",
                 stacklevel=4,
@@ -449,7 +451,7 @@ def _without_cache(
                 kwargs = {**kwargs, key: None}
             continue
         raise ValueError(
-            f"prime_ac: checkpointed block {name!r} got {key}={type(cache).__name__} with "
+            f"prime_ac: checkpointed block {state.name!r} got {key}={type(cache).__name__} with "
             "gradients enabled, and it is not an empty cache (get_seq_length() == 0) that the "
             "block could run without. The forward fills this cache and the recompute in backward "
             "would fill it again. Train with use_cache=False (model(..., use_cache=False) or "

@@ -78,12 +78,12 @@ def checkpoint_contexts(rules: Rules, name: str) -> Callable[[], tuple[Any, Any]
 
     A function object, which torch.compile takes as a constant when it traces a ``checkpoint``
     given it (torch 2.9 refuses a ``functools.partial`` holding ``rules``); built inside a
-    compiled function, a partial of the policy (:func:`_traced_context_fn`).
+    compiled function, the policy's own function (:func:`_traced_context_fn`).
     """
     if torch.compiler.is_compiling():
         if rules.plan:
             raise _plan_under_compile(name)
-        return _traced_context_fn(rules.policy, name)
+        return _traced_context_fn(rules.policy)
 
     def contexts() -> tuple[Any, Any]:
         return region_contexts(rules, name)
@@ -134,11 +134,14 @@ def context_fn(
     return functools.partial(_named_contexts, mode, targets, mandatory, name)
 
 
-def _traced_context_fn(policy: Any, name: str) -> Callable[[], tuple[Any, Any]]:
+def _traced_context_fn(policy: Any) -> Callable[[], tuple[Any, Any]]:
     """A ``context_fn`` built inside a compiled function: dynamo passes a checkpoint neither a
-    function defined in the code it traces nor a partial holding an object made there (Rules),
-    and takes a partial of the policy and the name."""
-    return functools.partial(_policy_contexts, policy, name)
+    function defined in the code it traces nor a partial holding an object made there (Rules).
+    An :class:`OperatorPolicy` built outside brings its own function (see
+    :func:`compiled_block_context_fn`); any other policy goes in a partial (a plain function is
+    a constant to dynamo)."""
+    own = getattr(policy, "compiled_context_fn", None)
+    return own if own is not None else functools.partial(policy_contexts, policy)
 
 
 def compiled_block_context_fn(policy: OperatorPolicy) -> Callable[[], tuple[Any, Any]]:
@@ -146,14 +149,18 @@ def compiled_block_context_fn(policy: OperatorPolicy) -> Callable[[], tuple[Any,
 
     dynamo guards a checkpoint's ``context_fn`` by its code only, so a block's own context_fn
     (one function per block) would let a block of another configuration reuse the graph
-    compiled for the first. This partial holds the policy, which dynamo guards by identity: blocks
-    sharing a configuration share a graph, another configuration recompiles.
+    compiled for the first. Each policy has a function with a code object of its own
+    (``OperatorPolicy.compiled_context_fn``, :func:`prime_ac._compat.own_code_function`): blocks
+    sharing a configuration share a graph, another configuration recompiles. A policy built
+    inside a compiled function has none and goes in a partial, which dynamo guards by the
+    policy's identity (torch 2.10+; torch 2.9 cannot trace building a policy).
     """
-    return functools.partial(_policy_contexts, policy, "a compiled checkpointed block")
+    return _traced_context_fn(policy)
 
 
-def _policy_contexts(policy: Any, name: str) -> tuple[Any, Any]:
-    return region_contexts(Rules(policy), name)
+def policy_contexts(policy: Any) -> tuple[Any, Any]:
+    """The (forward, recompute) contexts of a compiled region applying ``policy``."""
+    return region_contexts(Rules(policy), "a compiled checkpointed region")
 
 
 @functools.cache
