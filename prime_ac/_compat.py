@@ -35,7 +35,7 @@ __all__ = [
     "is_composite_implicit",
     "is_traceable_wrapper_subclass",
     "is_tracing",
-    "own_code_function",
+    "own_code_getter",
     "operator_parts",
     "redirect_hops",
     "sac_context",
@@ -288,23 +288,22 @@ def top_saved_tensors_hooks() -> tuple[Any, Any] | None:
     return torch._C._autograd._top_saved_tensors_default_hooks(True)
 
 
-def _calling(function: Callable[..., Any], args: tuple) -> Callable[[], Any]:
-    def call() -> Any:
-        return function(*args)
+def _returning(value: Any) -> Callable[[], Any]:
+    def get() -> Any:
+        return value
 
-    return call
+    return get
 
 
-def own_code_function(function: Callable[..., Any], *args: Any) -> Callable[[], Any]:
-    """A function of no arguments calling ``function(*args)``, with a code object of its own.
+def own_code_getter(value: Any) -> Callable[[], Any]:
+    """A function of no arguments returning ``value``, with a code object of its own.
 
-    dynamo takes a checkpoint's ``context_fn`` as a constant and guards it by its ``__code__``
-    alone (torch 2.9-2.14: ``CLOSURE_MATCH``), so two closures of one ``def`` share a compiled
-    graph; a code object of its own makes dynamo compile one graph per function. torch 2.9 takes
-    no ``functools.partial`` holding an object of a user class, so this is the form that every
-    supported torch traces. Public replacement: none.
+    dynamo guards a function it reads by its ``__code__`` alone (torch 2.9-2.14:
+    ``CLOSURE_MATCH``) and takes one as a constant in a checkpoint's ``context_fn`` partial,
+    where torch 2.9 takes no object of a user class: a partial holding this function is traced
+    by every supported torch and compiles one graph per function. Public replacement: none.
     """
-    template = _calling(function, args)
+    template = _returning(value)
     return types.FunctionType(
         template.__code__.replace(),  # an equal but distinct code object
         template.__globals__,

@@ -78,7 +78,7 @@ def checkpoint_contexts(rules: Rules, name: str) -> Callable[[], tuple[Any, Any]
 
     A function object, which torch.compile takes as a constant when it traces a ``checkpoint``
     given it (torch 2.9 refuses a ``functools.partial`` holding ``rules``); built inside a
-    compiled function, the policy's own function (:func:`_traced_context_fn`).
+    compiled function, a partial of the policy's handle (:func:`_traced_context_fn`).
     """
     if torch.compiler.is_compiling():
         if rules.plan:
@@ -136,12 +136,14 @@ def context_fn(
 
 def _traced_context_fn(policy: Any) -> Callable[[], tuple[Any, Any]]:
     """A ``context_fn`` built inside a compiled function: dynamo passes a checkpoint neither a
-    function defined in the code it traces nor a partial holding an object made there (Rules).
-    An :class:`OperatorPolicy` built outside brings its own function (see
-    :func:`compiled_block_context_fn`); any other policy goes in a partial (a plain function is
-    a constant to dynamo)."""
-    own = getattr(policy, "compiled_context_fn", None)
-    return own if own is not None else functools.partial(policy_contexts, policy)
+    function defined in the code it traces nor a partial holding an object made there (Rules),
+    and torch 2.9 no partial holding an :class:`OperatorPolicy`. A policy built outside comes
+    through its ``compile_handle`` (see :func:`compiled_block_context_fn`); any other policy
+    goes in the partial itself (a plain function is a constant to dynamo)."""
+    handle = getattr(policy, "compile_handle", None)
+    if handle is not None:
+        return functools.partial(_handle_contexts, handle)
+    return functools.partial(policy_contexts, policy)
 
 
 def compiled_block_context_fn(policy: OperatorPolicy) -> Callable[[], tuple[Any, Any]]:
@@ -149,13 +151,17 @@ def compiled_block_context_fn(policy: OperatorPolicy) -> Callable[[], tuple[Any,
 
     dynamo guards a checkpoint's ``context_fn`` by its code only, so a block's own context_fn
     (one function per block) would let a block of another configuration reuse the graph
-    compiled for the first. Each policy has a function with a code object of its own
-    (``OperatorPolicy.compiled_context_fn``, :func:`prime_ac._compat.own_code_function`): blocks
-    sharing a configuration share a graph, another configuration recompiles. A policy built
-    inside a compiled function has none and goes in a partial, which dynamo guards by the
-    policy's identity (torch 2.10+; torch 2.9 cannot trace building a policy).
+    compiled for the first. This partial holds the policy's ``compile_handle``, a function with
+    a code object of its own (:func:`prime_ac._compat.own_code_getter`): blocks sharing a
+    configuration share a graph, another configuration recompiles. A policy built inside a
+    compiled function has no handle and goes in the partial, which dynamo guards by the policy's
+    identity (torch 2.10+; torch 2.9 cannot trace building a policy).
     """
     return _traced_context_fn(policy)
+
+
+def _handle_contexts(handle: Callable[[], Any]) -> tuple[Any, Any]:
+    return policy_contexts(handle())
 
 
 def policy_contexts(policy: Any) -> tuple[Any, Any]:

@@ -12,7 +12,7 @@ from typing import Any, Literal
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from prime_ac._compat import own_code_function, returns_alias, returns_nothing, schema_is_mutable
+from prime_ac._compat import own_code_getter, returns_alias, returns_nothing, schema_is_mutable
 from prime_ac.actions import Action
 from prime_ac.scopes import ScopeRules, split_targets
 from prime_ac.targets import (
@@ -67,12 +67,11 @@ class OperatorPolicy:
         self.mandatory = mandatory
         self.scoped = scoped  # scoped, forced-replay and tag targets, if any
         self._decisions: dict[Any, Action] = {}
-        # The context_fn of a compiled region applying this policy: a function of its own, which
-        # dynamo guards by its code, so each policy compiles its own graph. dynamo cannot make a
-        # function while it traces: a policy built in a compiled function has none.
-        self.compiled_context_fn = (
-            None if torch.compiler.is_compiling() else own_code_function(_compiled_contexts, self)
-        )
+        # A function returning this policy, with a code object of its own: dynamo guards it by
+        # its code, so a compiled region's context_fn holding it (prime_ac.contexts) compiles one
+        # graph per policy. dynamo cannot make a function while it traces: a policy built in a
+        # compiled function has none.
+        self.compile_handle = None if torch.compiler.is_compiling() else own_code_getter(self)
 
     def classify(self, op: Any) -> Action:
         """MANDATORY, KEEP, SCOPED, HOST_SYNC or REPLAY (:class:`prime_ac.actions.Action`): what
@@ -150,12 +149,6 @@ def target_list(argument: str, value: Any) -> list[Any]:
             f"{argument}={value!r} is not a list of targets: pass strings such as "
             f"{argument}=['aten::mm', 'flash_attn'] (docs/checkpointing.md, 'Targets')"
         ) from None
-
-
-def _compiled_contexts(policy: OperatorPolicy) -> tuple[Any, Any]:
-    from prime_ac.contexts import policy_contexts  # prime_ac.contexts imports this module
-
-    return policy_contexts(policy)
 
 
 def make_policy(
