@@ -45,7 +45,10 @@ def _check(tokens_per_expert, routing_confidence_sum, token_counts, confidence) 
         ("tokens_per_expert", tokens_per_expert),
         ("routing_confidence_sum", routing_confidence_sum),
     ):
-        if any(stride == 0 and size > 1 for stride, size in zip(total.stride(), total.shape, strict=True)):
+        if any(
+            stride == 0 and size > 1
+            for stride, size in zip(total.stride(), total.shape, strict=True)
+        ):
             raise ValueError(
                 f"{name} is an expanded view (strides {total.stride()} for shape "
                 f"{tuple(total.shape)}): several of its elements share one memory location, so "

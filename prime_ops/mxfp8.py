@@ -336,7 +336,12 @@ def _a2a_backward(ctx, grad):
     # The adjoint exchange in the other wire format (prime-rl's and torchtitan's asymmetry): a
     # dispatch sends its gradient back in full precision, a combine sends its gradient as MXFP8.
     grad_x = _mxfp8_all_to_all(
-        grad.contiguous(), input_splits, output_splits, group_name, not quantized, scale_rule,
+        grad.contiguous(),
+        input_splits,
+        output_splits,
+        group_name,
+        not quantized,
+        scale_rule,
         quantizer,
     )
     torch._check(grad_x.shape[0] == ctx.rows)

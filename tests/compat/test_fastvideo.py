@@ -291,6 +291,7 @@ def test_on_a_wan_dit_the_older_list_holds_more_than_the_current_one():
         "aten::_scaled_dot_product_flash_attention.default",
         "_c10d_functional::reduce_scatter_tensor.default",
     ]
+
     def selective(names):
         targets = targets_from_op_list(names)
         return lambda m: prime_ac.checkpoint_blocks(m, mode="selective", targets=targets)
