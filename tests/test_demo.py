@@ -129,3 +129,20 @@ def test_audit_errors_name_the_flag(args, message, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "budget=" not in err and "targets=" not in err
+
+
+@pytest.mark.slow
+def test_the_readme_shows_the_demos_counts_and_summary():
+    """The README's demo output, as printed: every deterministic column (bytes, replayed ops and
+    FLOPs, gradient difference) of every row, and the closing summary. Times are not compared."""
+    from pathlib import Path
+
+    from prime_ac.demo import format_table, summary
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    report = {kind: compare_modes(kind, repeats=1) for kind in ("dense", "moe")}
+    for kind, results in report.items():
+        for line in format_table(kind, results, 1).splitlines()[3:]:
+            counts = line[: line.index("e+") + 4]  # up to the gradient difference, 0.0e+00
+            assert counts in readme, f"README.md lacks the demo's {kind} row {counts!r}"
+    assert summary(report) in readme
