@@ -21,6 +21,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from wan_models import tiny_wan
 
 import prime_ac
 from prime_ac.integrations.fastvideo import FASTVIDEO_OP_LIST, targets_from_op_list
@@ -205,24 +206,6 @@ class CountAttention(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def wan() -> nn.Module:
-    from diffusers import WanTransformer3DModel
-
-    torch.manual_seed(0)
-    return WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=16,
-        in_channels=4,
-        out_channels=4,
-        text_dim=32,
-        freq_dim=32,
-        ffn_dim=64,
-        num_layers=2,
-        rope_max_seq_len=32,
-    ).train()
-
-
 def wan_loss(model: nn.Module) -> torch.Tensor:
     g = torch.Generator().manual_seed(1)
     out = model(
@@ -235,7 +218,7 @@ def wan_loss(model: nn.Module) -> torch.Tensor:
 
 
 def wan_with(apply) -> nn.Module:
-    model = wan()
+    model = tiny_wan()
     if apply is not None:
         apply(model)
     return model
@@ -304,7 +287,7 @@ def test_on_a_wan_dit_the_older_list_holds_more_than_the_current_one():
 
 
 def test_a_wan_dit_keeps_its_state_dict_keys_and_answers_is_checkpointed():
-    model = wan()
+    model = tiny_wan()
     keys = list(model.state_dict())
     targets = targets_from_op_list(FASTVIDEO_OP_LIST)
     wrapped = prime_ac.checkpoint_blocks(model, mode="selective", targets=targets)

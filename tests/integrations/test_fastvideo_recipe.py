@@ -14,27 +14,10 @@ import torch
 pytest.importorskip("diffusers")
 
 from ac_compare import replayed, run, step  # noqa: E402
+from wan_models import tiny_wan  # noqa: E402
 
 import prime_ac  # noqa: E402
 from prime_ac.integrations.fastvideo import FASTVIDEO_OP_LIST, targets_from_op_list  # noqa: E402
-
-
-def wan() -> torch.nn.Module:
-    from diffusers import WanTransformer3DModel
-
-    torch.manual_seed(0)
-    return WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=16,
-        in_channels=4,
-        out_channels=4,
-        text_dim=32,
-        freq_dim=32,
-        ffn_dim=64,
-        num_layers=2,
-        rope_max_seq_len=32,
-    ).train()
 
 
 def loss(model: torch.nn.Module) -> torch.Tensor:
@@ -76,18 +59,18 @@ def test_operators_and_their_str_read_like_target_strings():
 
 
 def test_on_a_wan_dit_the_list_keeps_nothing_and_the_recipe_keeps_its_kernels():
-    none = step(wan(), loss)
-    own = run(wan, loss, lambda m: m.enable_gradient_checkpointing(), none, "diffusers")
-    full = run(wan, loss, lambda m: prime_ac.checkpoint_blocks(m, mode="full"), none, "full")
+    none = step(tiny_wan(), loss)
+    own = run(tiny_wan, loss, lambda m: m.enable_gradient_checkpointing(), none, "diffusers")
+    full = run(tiny_wan, loss, lambda m: prime_ac.checkpoint_blocks(m, mode="full"), none, "full")
     as_listed = run(
-        wan,
+        tiny_wan,
         loss,
         lambda m: prime_ac.checkpoint_blocks(m, mode="selective", targets=list(FASTVIDEO_OP_LIST)),
         none,
         "FastVideo's list",
     )
     recipe = run(
-        wan,
+        tiny_wan,
         loss,
         lambda m: prime_ac.checkpoint_blocks(
             m, mode="selective", targets=targets_from_op_list(FASTVIDEO_OP_LIST)
