@@ -198,3 +198,18 @@ def _ring_body(rank, world):
 
 def test_bad_ring_calls_raise_on_every_rank():
     run_distributed(_ring_body, 2, timeout=60)
+
+
+@pytest.mark.parametrize("windows_left_out", [(11, 11, True), (16, 16, False), (1, 1, True)])
+def test_fa4_current_order_without_windows_is_refused(windows_left_out):
+    """``(q, k, v, cu, cu, 11, 11, True)`` bound the older 8-argument overload as causal=True
+    with window (11, 1) and ran sliding-window attention (issue 37)."""
+    q, k, v, cu_q, cu_k, _, _ = _packed()
+    with pytest.raises(
+        TypeError, match=r"got \d+ where a bool causal belongs .*current call takes 10"
+    ):
+        OPS.flash_attn_4_varlen(q, k, v, cu_q, cu_k, *windows_left_out)
+    mode = FakeTensorMode()
+    fakes = [mode.from_tensor(t) for t in (q, k, v, cu_q, cu_k)]
+    with mode, pytest.raises(TypeError, match="where a bool causal belongs"):
+        OPS.flash_attn_4_varlen(*fakes, *windows_left_out)

@@ -435,16 +435,29 @@ def _define_fa4_without_max_seqlen() -> None:
     """prime-rl's older FA4 schema ``(q, k, v, cu_seqlens_q, cu_seqlens_k, causal,
     window_size_left, window_size_right)``, as the overload ``no_max_seqlen``: it forwards to the
     default overload (whose fake and autograd then apply), so policies and traces see that one.
-    A call binds to it only with exactly these 8 arguments (the default overload needs 10)."""
+    A call binds to it only with exactly these 8 arguments (the default overload needs 10).
+
+    ``causal`` is a ``Scalar`` here, not a ``bool``: torch turns any int into a bool, so the
+    current order with the windows left out, ``(..., max_seqlen_q, max_seqlen_k, causal)``,
+    would bind here as causal=True with window (max_seqlen_k, causal). Keeping the int lets that
+    call raise instead."""
     name = "prime_rl_attn::flash_attn_4_varlen.no_max_seqlen"
     torch.library.define(
         name,
-        "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, bool causal, "
+        "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, Scalar causal, "
         "int? window_size_left, int? window_size_right) -> (Tensor, Tensor)",
     )
 
     @torch.library.impl(name, "CompositeImplicitAutograd")
     def _(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window_size_left, window_size_right):
+        if not isinstance(causal, bool):
+            raise TypeError(
+                f"prime_rl_attn::flash_attn_4_varlen got {causal!r} where a bool causal belongs "
+                "in its 8-argument call (q, k, v, cu_seqlens_q, cu_seqlens_k, causal, "
+                "window_size_left, window_size_right). The current call takes 10: (q, k, v, "
+                "cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, "
+                "window_size_left, window_size_right); pass both windows (None: unbounded)"
+            )
         windows = (window_size_left, window_size_right)
         full = torch.ops.prime_rl_attn.flash_attn_4_varlen.default
         return full(q, k, v, cu_seqlens_q, cu_seqlens_k, None, None, causal, *windows)
