@@ -15,7 +15,7 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from prime_ops.attn import ring_attention, varlen_attention
+from prime_ops.attn import ring_attention, ring_shard, varlen_attention
 from prime_ops.groups import set_checked
 
 OPS = torch.ops.prime_rl_attn
@@ -213,3 +213,36 @@ def test_fa4_current_order_without_windows_is_refused(windows_left_out):
     fakes = [mode.from_tensor(t) for t in (q, k, v, cu_q, cu_k)]
     with mode, pytest.raises(TypeError, match="where a bool causal belongs"):
         OPS.flash_attn_4_varlen(*fakes, *windows_left_out)
+
+
+_CU = torch.tensor([0, 5, 12, 16], dtype=torch.int32)
+# issue 37: decreasing offsets returned bounds that lost sequences, causal="no" ran causal, a
+# rank out of range raised StopIteration / IndexError
+RING_SHARD = {
+    "decreasing": (
+        (torch.tensor([0, 12, 5, 16], dtype=torch.int32), True, 0, 2),
+        ValueError,
+        r"cu_seqlens must start at 0 and never decrease; got \[0, 12, 5, 16\]",
+    ),
+    "not_from_0": (
+        (torch.tensor([2, 16], dtype=torch.int32), True, 0, 2),
+        ValueError,
+        "start at 0",
+    ),
+    "causal_str": ((_CU, "no", 0, 2), TypeError, "causal must be a bool, got 'no'"),
+    "rank_high": ((_CU, True, 2, 2), ValueError, "rank must lie in .*got rank 2, world_size 2"),
+    "rank_negative": ((_CU, True, -1, 2), ValueError, "got rank -1"),
+    "world_0": ((_CU, True, 0, 0), ValueError, "world_size be >= 1"),
+    "rank_float": ((_CU, True, 0.0, 2), TypeError, "rank must be an int, got 0.0"),
+    "cu_2d": ((_CU.view(1, 4), True, 0, 2), ValueError, r"1-D integer tensor .*shape \(1, 4\)"),
+    "cu_empty": ((_CU[:0], True, 0, 2), ValueError, r"1-D integer .*shape \(0,\)"),
+    "cu_float": ((_CU.float(), True, 0, 2), ValueError, "1-D integer tensor"),
+    "cu_list": (([0, 16], True, 0, 2), TypeError, "cu_seqlens must be a torch.Tensor"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RING_SHARD))
+def test_ring_shard_names_the_bad_argument(case):
+    args, error, message = RING_SHARD[case]
+    with pytest.raises(error, match=message):
+        ring_shard(*args)

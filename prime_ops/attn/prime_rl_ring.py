@@ -82,9 +82,19 @@ def ring_shard(cu_seqlens: Tensor, causal: bool, rank: int, world_size: int) -> 
         cu = torch.tensor([0, 5, 12, 16], dtype=torch.int32)
         ring_shard(cu, True, 1, 2).local_k_slice  # slice(5, 16): sequence 2 starts at 5
     """
-    bounds = [int(b) for b in cu_seqlens.tolist()]
+    bounds = _global_bounds(cu_seqlens)
+    if not isinstance(causal, bool):
+        raise TypeError(f"ring_shard: causal must be a bool, got {causal!r}")
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"ring_shard: {name} must be an int, got {value!r}")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(
+            f"ring_shard: rank must lie in [0, world_size) and world_size be >= 1; got rank "
+            f"{rank}, world_size {world_size}"
+        )
     total = bounds[-1]
-    if world_size < 1 or total % world_size:
+    if total % world_size:
         raise ValueError(
             f"cu_seqlens must end at a multiple of world_size {world_size}; got {total}"
         )
@@ -109,6 +119,22 @@ def ring_shard(cu_seqlens: Tensor, causal: bool, rank: int, world_size: int) -> 
         max(lengths_k, default=0),
         slice(k_start, k_stop),
     )
+
+
+def _global_bounds(cu_seqlens: Tensor) -> list[int]:
+    """The offsets as ints, refused unless they are the global layout: a 1-D integer tensor
+    starting at 0 that never decreases (decreasing offsets lost sequences silently)."""
+    if not isinstance(cu_seqlens, Tensor):
+        raise TypeError(f"ring_shard: cu_seqlens must be a torch.Tensor, got {cu_seqlens!r}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or cu_seqlens.is_floating_point():
+        raise ValueError(
+            "ring_shard: cu_seqlens must be a 1-D integer tensor of batch + 1 offsets; got "
+            f"{cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}"
+        )
+    bounds = [int(b) for b in cu_seqlens.tolist()]
+    if bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:], strict=False)):
+        raise ValueError(f"ring_shard: cu_seqlens must start at 0 and never decrease; got {bounds}")
+    return bounds
 
 
 def _backend(attention_backend: str) -> Backend:
