@@ -154,10 +154,12 @@ class ACConfig:
         """Read the ``[trainer.model.ac]`` table; unknown keys raise ValueError naming them.
 
         prime-rl's table is prime_ac's own, read with prime-rl's meaning (its newest modes,
-        ``layer_modes``, ``preserve_rng_state``, and its older releases' tables): ``targets``
-        with a mode that keeps no targets are dropped, as prime-rl ignores them, with a log
-        line; keys of releases that checkpointed parts of a layer (``targets = ["norm"]``,
-        ``moe = true``) and ``recompute_engram = true`` raise, saying what to use instead.
+        ``layer_modes``, and its older releases' tables): ``targets`` with a mode that keeps no
+        targets, and ``freq`` beside ``layer_modes``, are dropped, as prime-rl ignores them,
+        with a log line; an older release's part-of-a-layer settings (``moe = true``, or module
+        targets such as ``targets = ["norm"]`` where they would be read) and
+        ``recompute_engram = true`` raise, saying what to use instead. ``preserve_rng_state``
+        and the other keys prime-rl's class lacks are prime_ac's own.
 
         Another trainer's table (torchtitan's ``activation_checkpoint``: ``memory_budget``,
         ``debug``, ``mode = "memory_budget"``, ...) is read by the reader that claims it in
@@ -232,40 +234,53 @@ def _prime_rl_meaning(table: Mapping[str, Any]) -> dict[str, Any]:
             "model setup and drop the key here"
         )
     parts = [key for key in _PART_FLAGS if key in table and table[key] is not False]
-    targets = table.get("targets")
-    named_parts = (
-        [t for t in targets or () if t in _PART_TARGETS]
-        if isinstance(targets, (list, tuple))
-        else []
-    )
-    if parts or named_parts:
-        named = [f"{key}={table[key]!r}" for key in parts] or [f"targets={named_parts!r}"]
-        raise ValueError(
-            f"{', '.join(named)}: an older prime-rl release's setting that checkpoints parts of "
-            "each layer (norms, projections, the MLP or MoE) instead of whole blocks by operator. "
-            "prime_ac checkpoints blocks: to checkpoint only a part, select it as the block, e.g. "
-            "checkpoint_blocks(model, blocks=lambda name, module: name.endswith('.mlp')), or "
-            "keep whole layers with mode='selective' and operator targets (docs/migration.md)"
-        )
+    if parts:
+        raise _part_error([f"{key}={table[key]!r}" for key in parts])
     for key in _PART_FLAGS:
         table.pop(key, None)
     layer_modes = table.get("layer_modes")
     if isinstance(layer_modes, list):
         table["layer_modes"] = tuple(tuple(m) if isinstance(m, list) else m for m in layer_modes)
+    if layer_modes is not None and "freq" in table:
+        freq = table.pop("freq")
+        if freq != 1:
+            logger.info(
+                "prime_ac: [trainer.model.ac] freq=%r is unused with layer_modes, which gives "
+                "each layer its mode (prime-rl ignores freq there too)",
+                freq,
+            )
     mode = table.get("mode", "full")
-    keeps = _keeps_targets(mode, table.get("layer_modes"))
-    unused = isinstance(targets, (list, tuple)) and not keeps
-    if unused:
-        for target in targets:
-            parse_target(target)  # a typo is an error even where the list is unused
-        logger.info(
-            "prime_ac: [trainer.model.ac] targets=%r are unused with mode=%r (prime-rl ignores "
-            "them too); they apply to 'selective' layers",
-            targets,
-            mode,
-        )
-        table.pop("targets")
+    targets = table.get("targets")
+    if not isinstance(targets, (list, tuple)):
+        return table
+    if _keeps_targets(mode, table.get("layer_modes")):
+        named_parts = [t for t in targets if t in _PART_TARGETS]
+        if named_parts:
+            raise _part_error([f"targets={named_parts!r}"])
+        return table
+    for target in targets:
+        parse_target(target)  # a typo is an error even where the list is unused
+    # prime-rl's newest class loads targets under any mode and reads them only in "selective"
+    # (its older releases' module targets, ["norm"] their default, included)
+    logger.info(
+        "prime_ac: [trainer.model.ac] targets=%r are unused with mode=%r (prime-rl ignores "
+        "them too); they apply to 'selective' layers",
+        targets,
+        mode,
+    )
+    table.pop("targets")
     return table
+
+
+def _part_error(named: list[str]) -> ValueError:
+    return ValueError(
+        f"{', '.join(named)}: an older prime-rl release's setting that checkpoints parts of "
+        "each layer (norms, projections, the MLP or MoE) instead of whole blocks by operator "
+        "(prime-rl's newest release reads these names as operators and keeps nothing for them). "
+        "prime_ac checkpoints blocks: to checkpoint only a part, select it as the block, e.g. "
+        "checkpoint_blocks(model, blocks=lambda name, module: name.endswith('.mlp')), or "
+        "keep whole layers with mode='selective' and operator targets (docs/migration.md)"
+    )
 
 
 def _keeps_targets(mode: Any, layer_modes: Any) -> bool:

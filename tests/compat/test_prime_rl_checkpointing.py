@@ -461,7 +461,6 @@ def test_older_and_newest_tables_load(table):
         ({"moe": True}, "moe=True.*parts of each layer.*blocks="),
         ({"recompute_engram": True}, "recompute_engram=true.*prime-rl's model setup"),
         ({"layer_modes": ["full", "fast"]}, r"layer_modes\[1\]='fast'"),
-        ({"layer_modes": ["full"], "freq": 2}, "layer_modes replaces mode and freq"),
         ({"mode": "selective", "targets": "auto", "budget": 0.5, "layer_modes": ["full"]}, "one"),
         ({"mode": "fast"}, "mode='fast'"),
         ({"preserve_rng_state": "yes"}, "preserve_rng_state='yes'"),
