@@ -21,6 +21,7 @@ call first and raises on all of them.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -326,9 +327,19 @@ _reduce_scatter_sum.register_autograd(
 
 # --- all_to_all_single_async ----------------------------------------------------------------
 
-# Pending exchanges by handle: the work and the send buffer, kept alive until waited for.
+# Pending exchanges by handle: the work and the send buffer, kept alive until waited for, or
+# until the handle tensor dies unsynced (then :func:`_drop` waits and lets them go, so a handle
+# never synced holds nothing for the life of the process).
 _pending: dict[int, tuple[dist.Work, torch.Tensor]] = {}
 _issued = 0  # handles are 1, 2, ...; a handle above this was never issued on this process
+
+
+def _drop(ident: int) -> None:
+    """The handle died unsynced: finish its exchange (the peers take part in it anyway) and
+    release the work and the send buffer."""
+    pending = _pending.pop(ident, None)
+    if pending is not None:
+        pending[0].wait()
 
 
 @torch.library.custom_op(f"{NAMESPACE}::all_to_all_single_async", mutates_args=())
@@ -347,7 +358,9 @@ def _all_to_all_single_async(
     work = dist.all_to_all_single(out, src, out_sizes, in_sizes, group=group, async_op=True)
     _issued += 1
     _pending[_issued] = (work, src)
-    return out, torch.tensor([_issued], dtype=torch.int64)
+    handle = torch.tensor([_issued], dtype=torch.int64)
+    weakref.finalize(handle, _drop, _issued)
+    return out, handle
 
 
 @_all_to_all_single_async.register_fake
@@ -382,6 +395,12 @@ def sync_all_to_all(handle: torch.Tensor | int | None) -> None:
     if handle is None:
         return
     if isinstance(handle, torch.Tensor):
+        if handle.device.type == "meta" or is_fake(handle):
+            raise ValueError(
+                "sync_all_to_all: handle is a meta or fake tensor, which a traced or meta call "
+                "of all_to_all_single_async returns; no exchange was started for it. Sync the "
+                "handle of a real call (outside torch.compile, sync_all_to_all is a graph break)"
+            )
         if handle.numel() != 1 or handle.dtype != torch.int64:
             raise ValueError(
                 "sync_all_to_all: handle must be the int64 tensor of one element that "

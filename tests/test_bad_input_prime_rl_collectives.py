@@ -275,3 +275,36 @@ def _rank1_mistake(rank, world, case):
 @pytest.mark.parametrize("case", ["group", "meta", "sparse", "op"])
 def test_checked_mode_one_ranks_mistake_never_hangs(case):
     run_distributed(_rank1_mistake, 2, case, timeout=20)
+
+
+# Issue 37: handles never synced stayed in collectives._pending for the life of the process
+# (50 calls: 819,200 bytes of send buffers plus their Work objects).
+
+
+def _unsynced_handles(rank, world):
+    import gc
+
+    before = len(C._pending)
+    outs = []
+    for step in range(50):
+        x = torch.full((4096, 2), float(10 * rank + step))  # 32 KiB sent per call
+        out, handle = C.all_to_all_single_async(x, [2048, 2048], [2048, 2048])
+        outs.append(out)
+        assert len(C._pending) == before + 1  # held while the handle lives
+        del handle  # never synced
+        gc.collect()
+        assert len(C._pending) == before, "a dropped handle kept its exchange"
+    # the dropped handle's exchange was waited for: every output holds the received rows
+    for step, out in enumerate(outs):
+        assert out[:2048].eq(step).all() and out[2048:].eq(10 + step).all()
+    _, kept = C.all_to_all_single_async(torch.ones(4, 2), [2, 2], [2, 2])
+    C.sync_all_to_all(kept)
+    assert len(C._pending) == before
+    fake = torch.empty(1, dtype=torch.int64, device="meta")
+    with pytest.raises(ValueError, match="handle is a meta or fake tensor.*no exchange"):
+        C.sync_all_to_all(fake)
+    _in_step(rank)
+
+
+def test_unsynced_async_handles_are_released():
+    run_distributed(_unsynced_handles, 2, timeout=60)
