@@ -859,6 +859,11 @@ def _dead_pid() -> int:
         ("another container", "in another container"),
         ("a reused PID", "its PID was reused"),
         ("unreadable, old", "names no owner"),
+        # issue 37: kill(0, 0) and kill(-1, 0) succeed (process groups): waited 900 s; a PID
+        # beyond C's pid_t let an OverflowError out
+        ("PID 0", "it names PID 0, which is no single process"),
+        ("PID -1", "it names PID -1, which is no single process"),
+        ("PID 2**40", f"process {2**40} no longer runs"),
     ],
 )
 def test_a_lock_nobody_can_be_holding_is_removed_not_waited_on(
@@ -872,6 +877,9 @@ def test_a_lock_nobody_can_be_holding_is_removed_not_waited_on(
         "another boot": {"boot": "0f0f0f0f-dead-beef-0000-000000000000"},
         "another container": {"pid_namespace": "pid:[1]"},
         "a reused PID": {"start": "1"},
+        "PID 0": {"pid": 0},
+        "PID -1": {"pid": -1},
+        "PID 2**40": {"pid": 2**40},
     }
     lock = _lock(**changes.get(owner, {}))
     if owner == "unreadable, old":
@@ -883,6 +891,37 @@ def test_a_lock_nobody_can_be_holding_is_removed_not_waited_on(
     assert compiled == [lock.parent] and not lock.exists()
     err = capsys.readouterr().err
     assert f"removing the stale build lock {lock}" in err and reason in err
+
+
+@pytest.mark.parametrize("where", ["library", "record", "both"])
+def test_a_directory_where_a_file_of_the_build_belongs_is_rebuilt_over(
+    where, fresh_cache, monkeypatch, capsys
+):
+    """Issue 37: a directory at the library's or its record's name raised IsADirectoryError
+    from load() and build() instead of rebuilding."""
+    from torch.utils import cpp_extension
+
+    def load(name, build_directory, **kwargs):
+        (Path(build_directory) / f"{name}.so").write_bytes(_elf())
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    library = _cached(_elf())
+    paths = {"library": [library], "record": [native_build._stamp(library)]}
+    for path in paths.get(where, [library, native_build._stamp(library)]):
+        path.unlink()
+        (path / "inside").mkdir(parents=True)
+    assert native_build.load() is True
+    assert native_build._read_verified(library)[1] is None and native_build._loaded == library
+    err = capsys.readouterr().err
+    assert "a directory stands where" in err and "rebuilding it once" in err
+    assert sorted(p.name for p in library.parent.iterdir()) == [
+        library.name,
+        library.name + ".sha256",
+    ]
+    native_build._loaded = None
+    library.unlink()
+    library.mkdir()
+    assert native_build.build(cuda=False) == library and library.is_file()
 
 
 def test_a_live_lock_is_waited_on_for_a_bounded_time(fresh_cache, monkeypatch, capsys):

@@ -182,10 +182,14 @@ def _read_verified(library: Path) -> tuple[bytes, str | None]:
         data = library.read_bytes()
     except FileNotFoundError:
         return b"", "it does not exist"
+    except IsADirectoryError:
+        return b"", "a directory stands where the library belongs"
     try:
         recorded = _stamp(library).read_text().split()
     except FileNotFoundError:
         return data, f"no finished build recorded its checksum ({_stamp(library).name} is missing)"
+    except IsADirectoryError:
+        return data, f"a directory stands where its checksum record {_stamp(library).name} belongs"
     if len(recorded) > 1 and recorded[1] != str(len(data)):
         return data, f"it holds {len(data)} bytes, the build wrote {recorded[1]} (cut or replaced)"
     problem = _elf_problem(data)
@@ -230,6 +234,7 @@ def _write_atomically(path: Path, data: bytes) -> None:
     temporary name, flushed to disk, then renamed over it (a process that mapped the old file
     keeps its pages: a rename never rewrites a file in place)."""
     staged = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    _remove(path, keep_files=True)  # a rename cannot replace a directory
     try:
         with open(staged, "wb") as f:
             f.write(data)
@@ -238,6 +243,17 @@ def _write_atomically(path: Path, data: bytes) -> None:
         staged.replace(path)
     finally:
         staged.unlink(missing_ok=True)
+
+
+def _remove(path: Path, *, keep_files: bool = False) -> None:
+    """Remove ``path`` whether it is a file or a directory (nothing but prime_ops' own files
+    belongs at the cache's names, so a directory there is in the way); ``keep_files`` removes
+    only a directory."""
+    if path.is_dir() and not path.is_symlink():
+        _say(f"removing the directory {path}, which stands where a file of the build belongs")
+        shutil.rmtree(path)
+    elif not keep_files:
+        path.unlink(missing_ok=True)
 
 
 # --- the build lock: owned by a process that can be told apart from any other -------------------
@@ -285,9 +301,14 @@ def _lock_owner(lock: Path) -> dict | None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists. Only PIDs >= 1 name one process: ``kill(0, 0)`` and
+    ``kill(-1, 0)`` signal groups of processes and succeed, so a lock naming PID 0 or -1 would be
+    waited on for the whole LOCK_WAIT; a PID beyond the C type raises OverflowError."""
+    if pid < 1:
+        return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):
         return False
     except PermissionError:  # someone else's live process
         return True
@@ -305,6 +326,8 @@ def _why_stale(owner: dict | None, age: float) -> str | None:
     for key, where in elsewhere.items():  # its PID says nothing here
         if owner.get(key) and me[key] and owner[key] != me[key]:
             return f"process {pid} ran {where}"
+    if pid < 1:
+        return f"it names PID {pid}, which is no single process"
     if pid == me["pid"]:
         return f"it names this process's own PID {pid}, taken over from an earlier process"
     if not _alive(pid):
@@ -516,7 +539,7 @@ def load() -> bool:
             if not library.exists():
                 continue
             _say(f"the cached library {library} is unusable ({problem}); rebuilding it once")
-            _stamp(library).unlink(missing_ok=True)  # so build() compiles instead of reloading it
+            _remove(_stamp(library))  # so build() compiles instead of reloading it
             try:
                 build(cuda=cuda)
             except Exception as exc:  # noqa: BLE001 -- any failure: keep the Python paths, say why
