@@ -1,0 +1,377 @@
+"""Keep, offload or replay each operator call under a peak-memory budget.
+
+A budget fraction (:mod:`prime_ac.budget`) bounds saved bytes; what a step runs out of is its
+peak. This planner takes the profiled step as :class:`Call` records per :class:`BlockProfile`
+and chooses per call:
+
+- ``keep``: held on the device from its forward to its block's backward;
+- ``offload``: copied to host memory on a side stream after the call, dropped from the device
+  once the copy completes (at the latest at the end of the next block's forward, where the
+  runtime waits for it), brought back one block ahead of its block's backward;
+- ``replay``: run again in the recompute.
+
+:func:`simulate` walks the step's program points (every call of every block's forward, every
+block's backward) and returns the device bytes held at each, the host bytes, and the time the
+plan costs (replayed compute plus copy time no compute hides). The held bytes are bounded the
+same way whatever the copy bandwidth turns out to be, so a plan made on a wrong bandwidth still
+meets its budget; the bandwidth moves only the time.
+
+:func:`plan` is a greedy over a fixed order of upgrades (replay -> offload, then offload ->
+keep; by replay time saved per byte): each upgrade is taken when the step still fits the budget
+and the host cap and the step gets no slower. Since the order does not depend on the budget and
+no upgrade lowers any point's bytes, a smaller budget never gives a larger peak. Mandatory,
+random and collective calls are kept or offloaded, never replayed; views and parameters are
+never offloaded.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = [
+    "DEFAULT_BANDWIDTH",
+    "BlockProfile",
+    "Call",
+    "Plan",
+    "Simulation",
+    "agree",
+    "exhaustive",
+    "plan",
+    "simulate",
+]
+
+# Host <-> device bytes per second assumed where nothing was measured: 12 GB/s, about what a
+# PCIe 4.0 x16 link sustains for pinned copies (measure_bandwidth() replaces it on CUDA).
+DEFAULT_BANDWIDTH = 12e9
+
+KEEP, OFFLOAD, REPLAY = "keep", "offload", "replay"
+
+
+@dataclass(frozen=True)
+class Call:
+    """One operator call of a block's forward.
+
+    ``seconds`` is its compute time (measured where the profile ran on a device, else its
+    FLOPs over a stated rate); ``kind`` is ``"plain"``, ``"mandatory"`` (also random and
+    collective calls: never replayed), ``"view"`` or ``"param"`` (never offloaded).
+    """
+
+    op: str
+    index: int
+    bytes: int
+    seconds: float
+    kind: str = "plain"
+
+    def choices(self) -> tuple[str, ...]:
+        if self.kind == "mandatory":
+            return (OFFLOAD, KEEP)
+        if self.kind in ("view", "param"):
+            return (REPLAY, KEEP)
+        return (REPLAY, OFFLOAD, KEEP)
+
+
+@dataclass(frozen=True)
+class BlockProfile:
+    """One checkpointed block: its calls in forward order and its input's bytes (always held)."""
+
+    name: str
+    calls: tuple[Call, ...]
+    input_bytes: int = 0
+
+    @property
+    def forward_seconds(self) -> float:
+        return sum(c.seconds for c in self.calls)
+
+    @property
+    def working_bytes(self) -> int:
+        """Bytes of all its results: what its backward holds once the recompute rebuilt them."""
+        return sum(c.bytes for c in self.calls if c.kind != "param")
+
+
+@dataclass
+class Simulation:
+    """What a plan does to one step: ``points`` are ``(label, device bytes)`` in program order."""
+
+    points: list[tuple[str, int]]
+    host_bytes: int
+    replay_seconds: float
+    exposed_copy_seconds: float
+    # per block: seconds its copies (out in forward, back before backward) were not hidden
+    exposed_by_block: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def peak(self) -> int:
+        return max((b for _, b in self.points), default=0)
+
+    @property
+    def cost(self) -> float:
+        """Seconds the plan adds to a step without checkpointing."""
+        return self.replay_seconds + self.exposed_copy_seconds
+
+
+def simulate(
+    blocks: Sequence[BlockProfile],
+    decisions: Sequence[Sequence[str]],
+    bandwidth: float = DEFAULT_BANDWIDTH,
+) -> Simulation:
+    """Device bytes at every program point of one step under ``decisions[block][call]``.
+
+    Forward of block ``i``, after call ``j``: the inputs of blocks ``0..i``, what blocks before
+    it keep, block ``i-1``'s offloaded results (their copies may still run; the runtime waits
+    for them at the end of block ``i``), block ``i``'s kept and offloaded results so far, and
+    call ``j``'s result. Backward of block ``i``: the inputs of blocks ``0..i``, what blocks
+    before it keep, block ``i-1``'s offloaded results (prefetched during it) and all of block
+    ``i``'s results (the recompute's working set).
+
+    Copies run in order on one stream at ``bandwidth`` bytes/s; a block's outbound copies hide
+    behind the next block's forward, its inbound copies behind the backward of the block after
+    it (taken as twice its forward plus its replays); what does not fit is exposed.
+    """
+    n = len(blocks)
+    kept = [0] * n
+    out = [0] * n
+    for i, (block, chosen) in enumerate(zip(blocks, decisions, strict=True)):
+        for call, d in zip(block.calls, chosen, strict=True):
+            if d == KEEP:
+                kept[i] += call.bytes
+            elif d == OFFLOAD:
+                out[i] += call.bytes
+    inputs = [b.input_bytes for b in blocks]
+    points: list[tuple[str, int]] = []
+    held_before = 0  # inputs of earlier blocks and what they keep
+    for i, (block, chosen) in enumerate(zip(blocks, decisions, strict=True)):
+        base = held_before + inputs[i] + (out[i - 1] if i else 0)
+        running = 0
+        for call, d in zip(block.calls, chosen, strict=True):
+            here = base + running + call.bytes
+            if d != REPLAY:
+                running += call.bytes
+            points.append((f"{block.name} forward {call.op}#{call.index}", here))
+        held_before += inputs[i] + kept[i]
+    for i in reversed(range(n)):
+        held_before -= inputs[i] + kept[i]
+        here = held_before + inputs[i] + blocks[i].working_bytes + (out[i - 1] if i else 0)
+        points.append((f"{blocks[i].name} backward", here))
+    replay = sum(
+        c.seconds
+        for b, chosen in zip(blocks, decisions, strict=True)
+        for c, d in zip(b.calls, chosen, strict=True)
+        if d == REPLAY
+    )
+    exposed: dict[str, float] = {}
+    for i, block in enumerate(blocks):
+        if not out[i]:
+            continue
+        copy = out[i] / bandwidth
+        # out: hidden behind the rest of this forward's calls after each copy starts, roughly
+        # half of it, and the next block's forward
+        window_out = block.forward_seconds / 2 + (blocks[i + 1].forward_seconds if i + 1 < n else 0)
+        after = blocks[i + 1] if i + 1 < n else None
+        window_in = (
+            2 * after.forward_seconds
+            + sum(
+                c.seconds for c, d in zip(after.calls, decisions[i + 1], strict=True) if d == REPLAY
+            )
+            if after is not None
+            else 0.0
+        )
+        exposed[block.name] = max(0.0, copy - window_out) + max(0.0, copy - window_in)
+    return Simulation(points, sum(out), replay, sum(exposed.values()), exposed)
+
+
+@dataclass
+class Plan:
+    """The planner's choice: ``decisions[block name][call index in the block]``."""
+
+    blocks: list[BlockProfile]
+    decisions: list[list[str]]
+    budget: int
+    host_cap: int
+    bandwidth: float
+    simulation: Simulation
+    fits: bool  # False: even the least memory the rules allow exceeds the budget
+
+    def chosen(self, block: str, decision: str) -> list[tuple[str, int]]:
+        """``(op, index)`` of the calls of ``block`` with this decision."""
+        i = next(k for k, b in enumerate(self.blocks) if b.name == block)
+        return [
+            (c.op, c.index)
+            for c, d in zip(self.blocks[i].calls, self.decisions[i], strict=True)
+            if d == decision
+        ]
+
+    def table(self) -> str:
+        """Per block and call: the decision, the bytes, and the block's exposed copy time."""
+        sim = self.simulation
+        rows = [f"{'block':<20} {'operator':<34} {'decision':<8} {'bytes':>14}"]
+        for block, chosen in zip(self.blocks, self.decisions, strict=True):
+            for call, d in zip(block.calls, chosen, strict=True):
+                rows.append(
+                    f"{block.name:<20} {call.op + '#' + str(call.index):<34} {d:<8} {call.bytes:>14,}"
+                )
+            rows.append(
+                f"{block.name:<20} {'(exposed copy time)':<34} {'':<8} "
+                f"{sim.exposed_by_block.get(block.name, 0.0) * 1e3:>11.3f} ms"
+            )
+        rows.append(
+            f"predicted peak {format_bytes(sim.peak)} (budget {format_bytes(self.budget)}), host "
+            f"{format_bytes(sim.host_bytes)}, replay {sim.replay_seconds * 1e3:.2f} ms, exposed "
+            f"copies {sim.exposed_copy_seconds * 1e3:.2f} ms"
+            + ("" if self.fits else "; the budget cannot be met: this is the least memory")
+        )
+        return "\n".join(rows)
+
+
+def _least(blocks: Sequence[BlockProfile], host_cap: int) -> list[list[str]]:
+    """The least device memory the rules allow: replay what may replay, offload mandatory calls
+    while the host cap lasts, keep the rest."""
+    host = 0
+    decisions = []
+    for block in blocks:
+        chosen = []
+        for call in block.calls:
+            if call.kind != "mandatory":
+                chosen.append(REPLAY)
+            elif call.bytes and host + call.bytes <= host_cap:
+                chosen.append(OFFLOAD)
+                host += call.bytes
+            else:
+                chosen.append(KEEP)
+        decisions.append(chosen)
+    return decisions
+
+
+def plan(
+    blocks: Sequence[BlockProfile],
+    budget: int,
+    *,
+    bandwidth: float = DEFAULT_BANDWIDTH,
+    host_cap: int | None = None,
+) -> Plan:
+    """Choose keep / offload / replay per call so the step's peak stays within ``budget`` bytes.
+
+    ``host_cap`` bounds the host bytes (default: unbounded). Example::
+
+        p = plan([BlockProfile("layers.0", (Call("aten::mm", 0, 2**20, 1e-4),))], 2**21)
+        p.decisions  # [['keep']]
+    """
+    blocks = list(blocks)
+    cap = math.inf if host_cap is None else host_cap
+    decisions = _least(blocks, int(min(cap, 2**62)))
+    sim = simulate(blocks, decisions, bandwidth)
+    fits = sim.peak <= budget
+    order = sorted(
+        ((i, j) for i, b in enumerate(blocks) for j, c in enumerate(b.calls)),
+        key=lambda ij: (
+            -blocks[ij[0]].calls[ij[1]].seconds / max(blocks[ij[0]].calls[ij[1]].bytes, 1)
+        ),
+    )
+    for step in ((REPLAY, OFFLOAD), (OFFLOAD, KEEP), (REPLAY, KEEP)):
+        for i, j in order:
+            call = blocks[i].calls[j]
+            if decisions[i][j] != step[0] or step[1] not in call.choices():
+                continue
+            decisions[i][j] = step[1]
+            trial = simulate(blocks, decisions, bandwidth)
+            if trial.peak <= budget and trial.host_bytes <= cap and trial.cost <= sim.cost:
+                sim = trial
+            else:
+                decisions[i][j] = step[0]
+    return Plan(blocks, decisions, budget, host_cap or 0, bandwidth, sim, fits)
+
+
+def exhaustive(
+    blocks: Sequence[BlockProfile],
+    budget: int,
+    *,
+    bandwidth: float = DEFAULT_BANDWIDTH,
+    host_cap: int | None = None,
+) -> Simulation | None:
+    """The cheapest plan within the budget by trying every choice (small cases: tests)."""
+    import itertools
+
+    flat = [(i, c) for i, b in enumerate(blocks) for c in b.calls]
+    best = None
+    cap = math.inf if host_cap is None else host_cap
+    for combo in itertools.product(*(c.choices() for _, c in flat)):
+        decisions: list[list[str]] = [[] for _ in blocks]
+        for (i, _), d in zip(flat, combo, strict=True):
+            decisions[i].append(d)
+        sim = simulate(blocks, decisions, bandwidth)
+        if sim.peak <= budget and sim.host_bytes <= cap and (best is None or sim.cost < best.cost):
+            best = sim
+    return best
+
+
+def agree(blocks: list[BlockProfile]) -> list[BlockProfile]:
+    """The same profile on every rank: each call's bytes and seconds become their maximum over
+    the ranks (one all-reduce), so every rank plans alike. Without torch.distributed, as is."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return blocks
+    flat = [c for b in blocks for c in b.calls]
+    values = torch.tensor(
+        [float(c.bytes) for c in flat] + [c.seconds for c in flat], dtype=torch.float64
+    )
+    if dist.get_backend() == "nccl":
+        values = values.cuda()
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    values = values.cpu().tolist()
+    n = len(flat)
+    it = iter(range(n))
+    agreed = []
+    for b in blocks:
+        calls = []
+        for c in b.calls:
+            k = next(it)
+            calls.append(Call(c.op, c.index, int(values[k]), values[n + k], c.kind))
+        agreed.append(BlockProfile(b.name, tuple(calls), b.input_bytes))
+    return agreed
+
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
+def parse_bytes(value: object, argument: str = "budget") -> int:
+    """Bytes from an int or a string such as ``"24GiB"``, ``"512MiB"``, ``"1.5GB"``, ``"4096"``.
+
+    Raises ValueError naming ``argument`` and the accepted forms.
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str):
+        text = value.strip().replace(" ", "")
+        number = text.rstrip("KMGTiBkmgtb")
+        unit = text[len(number) :].upper()
+        try:
+            amount = float(number)
+        except ValueError:
+            amount = -1.0
+        if unit in _UNITS and math.isfinite(amount) and amount >= 0:
+            return int(amount * _UNITS[unit])
+    raise ValueError(
+        f"{argument}={value!r}: bytes are an int >= 0 or a string with a unit, such as "
+        "'24GiB', '512MiB', '1.5GB' or '4096B' (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+    )
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
