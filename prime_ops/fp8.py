@@ -63,9 +63,19 @@ def _deep_gemm():
     return import_backend("deep_gemm", extra=None, build=BUILD)
 
 
+def _uses_deep_gemm(device: torch.device) -> bool:
+    """Whether the GEMMs on ``device`` run in DeepGEMM (CUDA) rather than the CPU kernels."""
+    return device.type == "cuda"
+
+
+def _deep_gemm_arch(device: torch.device) -> int:
+    """The major compute capability of ``device`` itself: DeepGEMM picks its kernels by it."""
+    return torch.cuda.get_device_capability(device)[0]
+
+
 def needs_ue8m0(device: torch.device) -> bool:
     """Whether DeepGEMM on ``device`` reads scales as UE8M0 (SM100 and later)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10
+    return _uses_deep_gemm(device) and _deep_gemm_arch(device) >= 10
 
 
 def _resolve_ue8m0(ue8m0: bool | None, device: torch.device) -> bool:
@@ -189,6 +199,12 @@ def _check_gemm_out_dtype(out_dtype: torch.dtype) -> None:
         )
 
 
+def _check_tensor(op: str, **tensors) -> None:
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+
+
 def _check_high_precision(name: str, t: torch.Tensor) -> None:
     if t.dtype not in _HIGH_PRECISION:
         raise TypeError(
@@ -233,7 +249,7 @@ def fp8_gemm_nt(
     (m, k), n = a.shape, b.shape[0]
     _check_scale("a_scale", a_scale, (m, _blocks(k)), "1x128 activation")
     _check_scale("b_scale", b_scale, (_blocks(n), _blocks(k)), "128x128 weight")
-    if a.device.type == "cuda":
+    if _uses_deep_gemm(a.device):
         return _deep_gemm_nt(a, a_scale, b, b_scale, out_dtype)
     out = dequantize_blockwise(a, a_scale) @ dequantize_blockwise(b, b_scale).T
     return out.to(out_dtype)
@@ -270,9 +286,9 @@ def grouped_fp8_gemm_nt(
     (m, k), (g, n) = a.shape, b.shape[:2]
     _check_scale("a_scale", a_scale, (m, _blocks(k)), "1x128 activation")
     _check_scale("b_scale", b_scale, (g, _blocks(n), _blocks(k)), "128x128 weight")
-    check_offsets_meta(offsets, g)
+    check_offsets_meta(offsets, g, weight="b")
     check_offsets_values(offsets, m)
-    if a.device.type == "cuda":
+    if _uses_deep_gemm(a.device):
         return _deep_gemm_grouped_nt(a, a_scale, b, b_scale, offsets, out_dtype)
     out = a.new_empty(m, n, dtype=out_dtype)
     start = 0
@@ -299,9 +315,32 @@ def _d_dtype(out_dtype: torch.dtype) -> torch.dtype:
 
 def _deep_gemm_nt(a, a_scale, b, b_scale, out_dtype):
     _check_power_of_two(a.device, a_scale, b_scale)
+    if _d_dtype(out_dtype) == torch.float32 and _deep_gemm_arch(a.device) == 9:
+        # SM90's 128x128-scale kernel (1d2d) writes bf16 only: fp32 comes from the 1d1d kernel,
+        # which only accumulates, so accumulate into zeros.
+        d = torch.zeros(a.shape[0], b.shape[0], dtype=torch.float32, device=a.device)
+        _sm90_accumulate(a, a_scale, b, b_scale, d)
+        return d.to(out_dtype)
     d = torch.empty(a.shape[0], b.shape[0], dtype=_d_dtype(out_dtype), device=a.device)
     _deep_gemm().fp8_gemm_nt((a, a_scale), (b, b_scale), d)
     return d.to(out_dtype)
+
+
+def _sm90_accumulate(a, a_scale, b, b_scale, d):
+    """``d += a @ b.T`` in fp32 on SM90: DeepGEMM's weight-gradient recipe (1, 1, 128), its
+    ``sm90_fp8_gemm_1d1d`` kernel, accumulating through ``c = d``. That kernel takes 1x128 scales
+    for ``b`` too: each 128x128 block's scale repeated on its 128 rows is the same product."""
+    row_scales = b_scale.repeat_interleave(BLOCK, 0)[: b.shape[0]].contiguous()
+    _deep_gemm().fp8_gemm_nt((a, a_scale), (b, row_scales), d, c=d, recipe=(1, 1, BLOCK))
+
+
+def _accumulate_nt(a, a_scale, b, b_scale, buf):
+    """``buf += a @ b.T`` (fp32 ``buf``): in the kernel on SM90, in torch elsewhere."""
+    device = a.device
+    if _uses_deep_gemm(device) and _deep_gemm_arch(device) == 9 and buf.is_contiguous():
+        _sm90_accumulate(a, a_scale, b, b_scale, buf)
+    else:
+        buf.add_(fp8_gemm_nt(a, a_scale, b, b_scale, torch.float32))
 
 
 def _deep_gemm_grouped_nt(a, a_scale, b, b_scale, offsets, out_dtype):
@@ -352,7 +391,10 @@ def _padded_layout(offsets: torch.Tensor, rows: int, align: int):
 # fp8_grouped_gemm.py, the newest versions in the search index: fp8_blockwise_mm with wgrad_key,
 # x_fp8 and x_sf, and fp8_grouped_gemm.py's custom ops), then prime_ops' extras with defaults.
 
-_wgrad_accumulators: dict[int, Callable[[], torch.Tensor]] = {}
+# wgrad_key -> callable returning the fp32 buffer that key's weight gradient is added into. prime-rl
+# fills a dict of this shape itself (``_wgrad_accumulators[id(module)] = accumulator``); after the
+# switch its name is bound to this one (docs/migration.md), so its registrations land here.
+wgrad_accumulators: dict[int, Callable[[], torch.Tensor]] = {}
 
 
 def accumulate_wgrad_fp32(key: int, accumulator: Callable[[], torch.Tensor] | None) -> None:
@@ -371,19 +413,32 @@ def accumulate_wgrad_fp32(key: int, accumulator: Callable[[], torch.Tensor] | No
     if not isinstance(key, int) or isinstance(key, bool) or key == 0:
         raise ValueError(f"key must be a nonzero int (0 means no accumulator), got {key!r}")
     if accumulator is None:
-        _wgrad_accumulators.pop(key, None)
+        wgrad_accumulators.pop(key, None)
     elif not callable(accumulator):
         raise TypeError(
             f"accumulator must be a callable returning the fp32 buffer, got {accumulator!r}"
         )
     else:
-        _wgrad_accumulators[key] = accumulator
+        wgrad_accumulators[key] = accumulator
+
+
+def _check_wgrad_key(key: int) -> None:
+    """A nonzero key names an accumulator: one not registered would lose the gradient in silence
+    (the weight gets a bf16 ``.grad`` while the fp32 buffer stays at zero), so it is refused."""
+    if key != 0 and key not in wgrad_accumulators:
+        raise KeyError(
+            f"wgrad_key={key} has no fp32 accumulator registered: register one with "
+            f"prime_ops.fp8.accumulate_wgrad_fp32({key}, lambda: buffer) (prime-rl: bind its "
+            "_wgrad_accumulators to prime_ops.fp8.wgrad_accumulators, docs/migration.md), or "
+            "pass wgrad_key=0 for a plain weight gradient"
+        )
 
 
 def _accumulator(key: int, weight: torch.Tensor) -> torch.Tensor | None:
-    if key not in _wgrad_accumulators:
+    _check_wgrad_key(key)
+    if key == 0:
         return None
-    buf = _wgrad_accumulators[key]()
+    buf = wgrad_accumulators[key]()
     if buf.dtype != torch.float32 or buf.shape != weight.shape or buf.device != weight.device:
         raise ValueError(
             f"the accumulator of wgrad_key={key} returned {buf.dtype} {tuple(buf.shape)} on "
@@ -430,6 +485,7 @@ def _check_out_dtype(out_dtype: torch.dtype | None) -> torch.dtype:
 
 
 def _check_mm(x, weight, block_size, x_fp8=None, x_sf=None) -> None:
+    _check_tensor("prime_rl::fp8_blockwise_mm", x=x, weight=weight)
     check_same_device("prime_rl::fp8_blockwise_mm", x=x, weight=weight, x_fp8=x_fp8, x_sf=x_sf)
     _check_high_precision("x", x)
     _check_high_precision("weight", weight)
@@ -538,7 +594,9 @@ def _fp8_blockwise_mm_backward(
         if accumulator is None:
             grad_w = _mm_nt(lhs, rhs, weight.dtype, ue8m0)
         else:
-            accumulator.add_(_mm_nt(lhs, rhs, torch.float32, ue8m0))
+            qa, sa = quantize_blockwise(lhs, 1, ue8m0=ue8m0)
+            qb, sb = quantize_blockwise(rhs, BLOCK, ue8m0=ue8m0)
+            _accumulate_nt(qa, sa, qb, sb, accumulator)
             grad_w = weight.new_empty(0)
     return grad_x, grad_w
 
@@ -546,7 +604,9 @@ def _fp8_blockwise_mm_backward(
 @_fp8_blockwise_mm_backward.register_fake
 def _(grad_output, x, weight, block_size, needs_grad_x, needs_grad_weight, wgrad_key=0, ue8m0=None):
     _check_mm_backward(grad_output, x, weight, block_size)
-    accumulates = needs_grad_weight and wgrad_key in _wgrad_accumulators
+    if needs_grad_weight:
+        _check_wgrad_key(wgrad_key)
+    accumulates = needs_grad_weight and wgrad_key in wgrad_accumulators
     return torch.empty_like(x), weight.new_empty(0) if accumulates else torch.empty_like(weight)
 
 
@@ -568,7 +628,7 @@ def _mm_backward(ctx, grad_output):
         ctx.wgrad_key,
         ctx.ue8m0,
     )
-    keep_w = needs_grad_weight and ctx.wgrad_key not in _wgrad_accumulators
+    keep_w = needs_grad_weight and ctx.wgrad_key not in wgrad_accumulators
     return grad_x if needs_grad_x else None, grad_w if keep_w else None, *[None] * 6
 
 
@@ -576,6 +636,7 @@ _fp8_blockwise_mm.register_autograd(_mm_backward, setup_context=_mm_setup)
 
 
 def _check_grouped(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> None:
+    _check_tensor("prime_rl::grouped_fp8_gemm", x=x, weight=weight, offs=offs)
     check_same_device("prime_rl::grouped_fp8_gemm", x=x, weight=weight, offs=offs)
     _check_high_precision("x", x)
     _check_high_precision("weight", weight)
@@ -688,6 +749,7 @@ def fp8_blockwise_mm(
 
         y = fp8_blockwise_mm(torch.randn(8, 256), torch.randn(384, 256))  # [8, 384], fp32
     """
+    _check_tensor("fp8_blockwise_mm", x=x, weight=weight)
     out_dtype = x.dtype if out_dtype is None else out_dtype
     return torch.ops.prime_rl.fp8_blockwise_mm(
         x, weight, BLOCK, wgrad_key, None, None, ue8m0, out_dtype

@@ -13,8 +13,16 @@ from prime_ops._compat import assert_async
 __all__ = ["check_offsets_meta", "check_offsets_values"]
 
 
-def check_offsets_meta(offsets: torch.Tensor, groups: int, *, name: str = "offsets") -> None:
+def check_offsets_meta(
+    offsets: torch.Tensor, groups: int, *, name: str = "offsets", weight: str = "weight"
+) -> None:
     """Dtype and shape only: safe in fakes, where values are unknown."""
+    if groups == 0:
+        raise ValueError(
+            f"{weight} has 0 groups: a grouped GEMM needs at least one (one weight per group, "
+            f"stacked on dim 0); with no tokens routed anywhere keep the groups and pass {name} "
+            "of zeros"
+        )
     if offsets.dtype != torch.int32 or offsets.dim() != 1 or offsets.shape[0] != groups:
         raise ValueError(
             f"{name} must be a 1-D int32 tensor of {groups} cumulative row ends (one per group "

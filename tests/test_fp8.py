@@ -275,6 +275,7 @@ def _stand_in_deep_gemm(calls, truncate=False):
 def test_deep_gemm_adapter_writes_fp32_directly(monkeypatch, gen, out_dtype):
     calls = []
     monkeypatch.setitem(sys.modules, "deep_gemm", _stand_in_deep_gemm(calls))
+    monkeypatch.setattr(fp8, "_deep_gemm_arch", lambda device: 10)  # SM100: fp32 d
     a, sa = quantize_blockwise(torch.randn(4, 256, generator=gen), 1)
     b, sb = quantize_blockwise(torch.randn(128, 256, generator=gen), BLOCK)
     out = fp8._deep_gemm_nt(a, sa, b, sb, out_dtype)
@@ -291,6 +292,7 @@ def test_deep_gemm_adapter_writes_fp32_directly(monkeypatch, gen, out_dtype):
 def test_deep_gemm_grouped_adapter_pads_each_group(monkeypatch, gen, counts):
     calls = []
     monkeypatch.setitem(sys.modules, "deep_gemm", _stand_in_deep_gemm(calls))
+    monkeypatch.setattr(fp8, "_deep_gemm_arch", lambda device: 10)  # SM100: fp32 d
     a, sa = quantize_blockwise(torch.randn(sum(counts), 128, generator=gen), 1)
     qs = [quantize_blockwise(torch.randn(128, 128, generator=gen), BLOCK) for _ in counts]
     b, sb = torch.stack([q for q, _ in qs]), torch.stack([s for _, s in qs])
@@ -312,6 +314,7 @@ def test_deep_gemm_grouped_adapter_pads_each_group(monkeypatch, gen, counts):
 def test_deep_gemm_grouped_adapter_fp32_runs_dense_per_group(monkeypatch, gen):
     calls = []
     monkeypatch.setitem(sys.modules, "deep_gemm", _stand_in_deep_gemm(calls))
+    monkeypatch.setattr(fp8, "_deep_gemm_arch", lambda device: 10)  # SM100: fp32 d
     a, sa = quantize_blockwise(torch.randn(8, 128, generator=gen), 1)
     qs = [quantize_blockwise(torch.randn(128, 128, generator=gen), BLOCK) for _ in range(3)]
     b, sb = torch.stack([q for q, _ in qs]), torch.stack([s for _, s in qs])
@@ -326,6 +329,7 @@ def test_deep_gemm_grouped_adapter_fp32_runs_dense_per_group(monkeypatch, gen):
 def test_sm100_reads_power_of_two_scales_exactly(monkeypatch, gen):
     calls = []
     monkeypatch.setitem(sys.modules, "deep_gemm", _stand_in_deep_gemm(calls, truncate=True))
+    monkeypatch.setattr(fp8, "_deep_gemm_arch", lambda device: 10)  # SM100: fp32 d
     monkeypatch.setattr(fp8, "needs_ue8m0", lambda device: True)
     x, w = torch.randn(4, 256, generator=gen) * 3, torch.randn(128, 256, generator=gen)
     a, sa = quantize_blockwise(x, 1, ue8m0=True)
