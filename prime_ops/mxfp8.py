@@ -30,7 +30,11 @@ Scale rules (``scale_rule``), for a block with largest magnitude ``amax``:
   elements above 448 times the scale saturate to +-448.
 
 ``quantizer`` picks the kernel: ``"torch"`` (plain PyTorch, any device; the reference) or
-``"torchao"`` (torchao's Triton MX cast, CUDA and bf16 only; ``pip install 'prime-ops[mxfp8]'``).
+``"torchao"`` (torchao's Triton MX cast: bf16 on CUDA devices of compute capability 10.0 or newer
+with CUDA 12.8+, or ROCm MI350; ``pip install 'prime-ops[mxfp8]'``). torchao 0.16 to 0.18 define
+the cast only there (``torchao/prototype/mx_formats/kernels.py``; elsewhere the name raises
+"needs triton"), so on Hopper and older the call raises before any exchange and names
+``"torch"``, which runs on every device.
 
 The op holds no state: quantising is deterministic, nothing is cached between calls and no
 buffer outlives a call, so a replay under full activation checkpointing recomputes the same
@@ -150,15 +154,39 @@ def _torchao_quantize(x: Tensor, scale_rule: str) -> tuple[Tensor, Tensor]:
     return data, scale.view(SCALE_DTYPE)
 
 
+def _torchao_cast_missing(device: torch.device) -> str | None:
+    """Why torchao has no MX cast on ``device`` (its import-time gate), or None where it has one
+    or where the device cannot be known (fake tensors traced without CUDA)."""
+    if not torch.cuda.is_available():
+        return None
+    if torch.version.hip:
+        arch = torch.cuda.get_device_properties(device).gcnArchName
+        return None if "gfx950" in arch else f"ROCm {arch} (torchao needs MI350, gfx950)"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 10:
+        return f"SM{major}{minor} (torchao needs SM100 or newer)"
+    version = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    if version < (12, 8):
+        return f"CUDA {torch.version.cuda} (torchao needs CUDA 12.8 or newer)"
+    return None
+
+
 def _check_quantizer(x: Tensor, quantizer: str) -> None:
     if quantizer not in _QUANTIZERS:
         raise ValueError(f"quantizer must be one of {_QUANTIZERS}; got {quantizer!r}")
-    if quantizer == "torchao" and (
-        x.device.type not in ("cuda", "meta") or x.dtype != torch.bfloat16
-    ):
+    if quantizer != "torchao":
+        return
+    if x.device.type not in ("cuda", "meta") or x.dtype != torch.bfloat16:
         raise ValueError(
             f"quantizer='torchao' casts bf16 CUDA tensors; got {x.dtype} on {x.device.type}. "
             "Use quantizer='torch' for other dtypes and devices."
+        )
+    missing = _torchao_cast_missing(x.device) if x.device.type == "cuda" else None
+    if missing is not None:
+        raise ValueError(
+            f"quantizer='torchao': torchao defines its MXFP8 cast (triton_to_mxfp8_dim0) only on "
+            f"SM100+ with CUDA 12.8+ or ROCm MI350, and this device is {missing}. Use "
+            "quantizer='torch' here (the reference cast, on any device)."
         )
 
 
@@ -299,13 +327,23 @@ def mxfp8_all_to_all_single(
 # --- prime-rl's op: mxfp8_all_to_all(..., quantized) --------------------------------------------
 
 
+def _check_quantized(quantized) -> None:
+    # The schema says ``bool?`` (prime-rl's says ``bool``): a ``bool`` argument turns None into
+    # False before Python sees it, and so ran the full-precision path in silence.
+    if not isinstance(quantized, bool):
+        raise TypeError(
+            "mxfp8_all_to_all: quantized must be True (rows travel as MXFP8: dispatch) or False "
+            f"(x's dtype: combine); got {quantized!r}"
+        )
+
+
 @torch.library.custom_op(f"{_NAMESPACE}::mxfp8_all_to_all", mutates_args=())
 def _mxfp8_all_to_all(
     x: Tensor,
     output_splits: Tensor,
     input_splits: Tensor,
     group_name: str,
-    quantized: bool,
+    quantized: bool | None,
     scale_rule: str = "rceil",
     quantizer: str = "torch",
 ) -> Tensor:
@@ -313,6 +351,7 @@ def _mxfp8_all_to_all(
     (dispatch), in ``x.dtype`` otherwise (combine); the output is always ``x.dtype``."""
     op = "mxfp8_all_to_all"
     with rank_local(op, resolve_name(group_name, op)):
+        _check_quantized(quantized)
         _check(x, scale_rule, quantizer, op)
     if not quantized:
         return torch.ops.prime_rl_collectives.all_to_all_single(
@@ -323,6 +362,7 @@ def _mxfp8_all_to_all(
 
 @_mxfp8_all_to_all.register_fake
 def _(x, output_splits, input_splits, group_name, quantized, scale_rule="rceil", quantizer="torch"):
+    _check_quantized(quantized)
     _check(x, scale_rule, quantizer, "mxfp8_all_to_all")
     received = torch.ops.prime_rl_collectives.all_to_all_single(
         x, output_splits, input_splits, group_name
@@ -377,7 +417,7 @@ def _front(op, x, output_splits, input_splits, group, options: dict) -> tuple[Te
 
 def _prime_rl_front(op, x, output_splits, input_splits, group, quantized, scale_rule, quantizer):
     """prime-rl's dispatch and combine: the front's checks, then ``mxfp8_all_to_all``."""
-    options = {"scale_rule": scale_rule, "quantizer": quantizer}
+    options = {"quantized": quantized, "scale_rule": scale_rule, "quantizer": quantizer}
     group, *splits = _front(op, x, output_splits, input_splits, group, options)
     return _mxfp8_all_to_all(x, *splits, group.group_name, quantized, scale_rule, quantizer)
 

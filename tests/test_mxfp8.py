@@ -25,7 +25,16 @@ import prime_ops
 from prime_ops import collectives as C
 from prime_ops._compat import COMPILE_NEEDS_DYNAMIC_OUTPUT_SHAPE_OPS
 from prime_ops.expert_parallel import ExpertParallelMoE
-from prime_ops.mxfp8 import _torchao_quantize, dequantize_mx, mxfp8_all_to_all_single, quantize_mx
+from prime_ops.groups import set_checked
+from prime_ops.mxfp8 import (
+    _check_quantizer,
+    _torchao_quantize,
+    dequantize_mx,
+    mxfp8_all_to_all_combine,
+    mxfp8_all_to_all_dispatch,
+    mxfp8_all_to_all_single,
+    quantize_mx,
+)
 
 E4M3 = torch.float8_e4m3fn
 
@@ -121,6 +130,68 @@ def test_torchao_missing_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao.prototype.mx_formats.kernels", None)
     with pytest.raises(prime_ops.BackendUnavailable, match=r"prime-ops\[mxfp8\]"):
         _torchao_quantize(torch.randn(2, 32, dtype=torch.bfloat16), "rceil")
+
+
+def _simulate_device(monkeypatch, capability, cuda="12.8", hip=None, gcn="gfx942"):
+    """torch.cuda as a machine with one device of ``capability`` reports it."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    props = types.SimpleNamespace(gcnArchName=gcn)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.setattr(torch.version, "hip", hip)
+
+
+def _fake_cuda_bf16():
+    with FakeTensorMode():
+        return torch.empty(4, 64, dtype=torch.bfloat16, device="cuda")
+
+
+@pytest.mark.parametrize(
+    "capability, cuda, hip, gcn, refused",
+    [
+        ((8, 0), "12.8", None, "", "SM80"),
+        ((9, 0), "12.8", None, "", "SM90"),
+        ((12, 0), "12.8", None, "", None),  # SM120: torchao's gate is major >= 10
+        ((10, 0), "12.8", None, "", None),
+        ((10, 0), "12.6", None, "", "CUDA 12.6"),
+        ((9, 4), None, "6.4", "gfx942:sramecc+:xnack-", "ROCm gfx942"),
+        ((9, 5), None, "6.4", "gfx950:sramecc+:xnack-", None),
+    ],
+)
+def test_torchao_quantizer_refused_where_torchao_has_no_cast(
+    monkeypatch, capability, cuda, hip, gcn, refused
+):
+    """torchao 0.16-0.18 define triton_to_mxfp8_dim0 only on SM100+ with CUDA 12.8+ or MI350
+    (tests/libraries/test_torchao_gate.py checks the installed torchao's gate agrees); elsewhere
+    the call would fail inside torchao with "needs triton"."""
+    x = _fake_cuda_bf16()
+    _simulate_device(monkeypatch, capability, cuda, hip, gcn)
+    if refused is None:
+        _check_quantizer(x, "torchao")
+        return
+    with pytest.raises(ValueError, match="quantizer='torchao'") as info:
+        _check_quantizer(x, "torchao")
+    message = str(info.value)
+    assert refused in message and "quantizer='torch'" in message, message
+    _check_quantizer(x, "torch")  # the quantizer the error names works there
+
+
+def test_torchao_quantizer_refused_before_the_exchange(monkeypatch):
+    """On SM90 the front raises while checking, before the op or any all-to-all runs."""
+    x = _fake_cuda_bf16()
+    _simulate_device(monkeypatch, (9, 0))
+    group = types.SimpleNamespace(size=lambda: 1, rank=lambda: 0, group_name="0")
+    monkeypatch.setattr("prime_ops.mxfp8.resolve_call", lambda group, op: group)
+    monkeypatch.setattr("prime_ops.mxfp8._run_checks", lambda op, group, describe, local: local())
+    sent = []
+    monkeypatch.setattr(
+        torch.ops.prime_rl_collectives, "all_to_all_single", lambda *a: sent.append(a)
+    )
+    for front in (mxfp8_all_to_all_single, mxfp8_all_to_all_dispatch):
+        with pytest.raises(ValueError, match="SM90"):
+            front(x, [4], [4], group, quantizer="torchao")
+    assert sent == []
 
 
 # --------------------------------------------------------------------------- on gloo ranks
@@ -304,9 +375,35 @@ def _compile_body(rank, world):
     torch.testing.assert_close(grad, eager, atol=0, rtol=0)
 
 
+def _fault_body(rank, world):
+    """One rank's bad call: the error says first that the peers may wait (default mode), and
+    checked mode makes every rank raise, also for a dispatch meeting a combine."""
+    group = dist.group.WORLD
+    x = torch.randn(2 * world, 32)
+    splits = torch.tensor([2] * world)
+    raw = torch.ops.prime_rl_collectives.mxfp8_all_to_all
+    for bad in ({"quantized": None}, {"quantized": True, "quantizer": "mine"}):
+        with pytest.raises((TypeError, ValueError)) as info:  # every rank calls it alike
+            raw(x, splits, splits, group.group_name, **bad)
+        message = str(info.value)
+        assert "[mxfp8_all_to_all raised this on rank" in message, message
+        assert "may be waiting" in message and "PRIME_OPS_CHECK_COLLECTIVES" in message
+    set_checked(True, group)
+    try:
+        front = mxfp8_all_to_all_dispatch if rank == 0 else mxfp8_all_to_all_combine
+        with pytest.raises(ValueError, match="do not fit together"):
+            front(x, [2] * world, [2] * world)
+        quantizer = "torchao" if rank == 0 else "torch"  # CPU: only rank 0's call is refused
+        with pytest.raises(ValueError, match="rank 0 of the group rejected its call"):
+            mxfp8_all_to_all_dispatch(x, [2] * world, [2] * world, quantizer=quantizer)
+    finally:
+        set_checked(False, group)
+
+
 def _body(rank, world):
     _transport_body(rank, world)
     if world == 2:
+        _fault_body(rank, world)
         _ep_body(rank, world)
         _ac_body(rank, world)
         _opcheck_body(rank, world)
