@@ -246,3 +246,52 @@ def test_ring_shard_names_the_bad_argument(case):
     args, error, message = RING_SHARD[case]
     with pytest.raises(error, match=message):
         ring_shard(*args)
+
+
+# Issue 37: a half-done switch was silent. prime-rl's own registration left in place and
+# prime_ops both ran torch.library.custom_op for the same name, and torch let the module
+# imported last replace the other's op.
+PRIME_RL_REGISTRATION = """
+import torch
+
+
+@torch.library.custom_op("prime_rl_attn::flash_attn_4_varlen", mutates_args=())
+def flash_attn_4_varlen_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor, max_seqlen_q: int | None, max_seqlen_k: int | None,
+    causal: bool, window_size_left: int | None, window_size_right: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(q), q.new_empty(q.shape[1], q.shape[0])
+"""
+
+
+@pytest.mark.parametrize("first", ["prime_rl", "prime_ops"])
+def test_another_modules_registration_of_an_op_raises_naming_both(first, tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "prime_rl_attn_left_in_place.py").write_text(PRIME_RL_REGISTRATION)
+    imports = ["prime_rl_attn_left_in_place", "prime_ops"]
+    if first == "prime_ops":
+        imports.reverse()
+    code = f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n"
+    code += "".join(f"import {name}\n" for name in imports)
+    code += "print('both imported')\n"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 1 and "both imported" not in run.stdout, run.stdout + run.stderr
+    assert (
+        "RuntimeError: prime_rl_attn::flash_attn_4_varlen is registered by both "
+        "prime_rl_attn_left_in_place and prime_ops (prime_ops.attn.varlen)" in run.stderr
+    ), run.stderr
+
+
+def test_prime_ops_op_survives_a_refused_registration():
+    """After the refusal, prime_ops' op is still the one registered (nothing half-replaced)."""
+    namespace = {}
+    with pytest.raises(RuntimeError, match="registered by both"):
+        exec(compile(PRIME_RL_REGISTRATION, "prime_rl_attn_left_in_place", "exec"), namespace)
+    schema = str(OPS.flash_attn_4_varlen.default._schema)
+    assert "float? softmax_scale=None" in schema  # prime_ops' schema, not the copy's
+    q, k, v, cu_q, cu_k, max_q, max_k = _packed()
+    out, _ = OPS.sdpa_varlen(q, k, v, cu_q, cu_k, max_q, max_k, True, None, None)
+    assert torch.isfinite(out).all()
