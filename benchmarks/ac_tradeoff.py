@@ -31,9 +31,9 @@ import time
 import torch
 
 import prime_ac
-from prime_ac.blocks import checkpoint_state, wrap_block, wrapped_blocks
 from prime_ac.budget import budget_context_fn
 from prime_ac.models import build_model
+from prime_ac.wrapping import checkpoint_state, wrap_block, wrapped_blocks
 
 aten = torch.ops.aten
 

@@ -8,14 +8,15 @@ replay. prime_ac imports torch only: it knows operators by name, never by import
 from importlib.metadata import distributions as _distributions
 
 from prime_ac.audit import AuditReport, audit
-from prime_ac.blocks import find_blocks, is_checkpointed, unwrap_blocks
 from prime_ac.checkpoint import checkpoint_blocks
 from prime_ac.config import ACConfig
 from prime_ac.contexts import context_fn
+from prime_ac.discovery import find_blocks
 from prime_ac.policy import MODES, OperatorPolicy, make_policy
 from prime_ac.scopes import tag
 from prime_ac.store import KeptOutputMutatedError, ReplayMismatchError
 from prime_ac.targets import DEFAULT_TARGETS, HOST_SYNC_TARGETS, MANDATORY_TARGETS, Target
+from prime_ac.wrapping import is_checkpointed, unwrap_blocks
 
 # The installed distribution's version; "0+unknown" (never a real release) without metadata.
 __version__ = next((d.version for d in _distributions(name="prime-ops")), "0+unknown")

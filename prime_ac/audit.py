@@ -21,19 +21,19 @@ from torch import nn
 
 from prime_ac._compat import tree_leaves
 from prime_ac.actions import Action
-from prime_ac.blocks import (
-    BlockCheckpoint,
-    checkpoint_state,
-    checkpointing_disabled,
-    wrap_block,
-    wrapped_blocks,
-)
 from prime_ac.measure import operator_flops, track_step_by_block, track_step_by_device
 from prime_ac.modes import ReplayMode
 from prime_ac.scopes import ScopeTracker
 from prime_ac.store import RegionStore
 from prime_ac.targets import TargetSet, operator_key
 from prime_ac.watch import MeasuringKeepMode, worse
+from prime_ac.wrapping import (
+    BlockCheckpoint,
+    checkpoint_state,
+    checkpointing_disabled,
+    wrap_block,
+    wrapped_blocks,
+)
 
 __all__ = ["AuditReport", "CallRecord", "OpRecord", "audit", "op_name"]
 

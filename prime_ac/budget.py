@@ -73,7 +73,7 @@ class BlockPlan:
 
         Example::
 
-            plan = prime_ac.blocks.checkpoint_state(model.layers[0]).plan
+            plan = prime_ac.wrapping.checkpoint_state(model.layers[0]).plan
             print(plan.as_targets())  # ['attention.wq/aten::mm.default', ...]
         """
         if not self.checkpointed:

@@ -1,10 +1,10 @@
 """``checkpoint_blocks``: the public entry that validates, plans and applies a configuration.
 
-It sits on top of the package: settings (:mod:`prime_ac.config`), the policy, the wrapping
-primitives (:mod:`prime_ac.blocks`) and the budget planner. A call is all or nothing: every
-argument is checked and every change planned before the model is touched, and if anything
-fails while applying (a ``targets="auto"`` profile that raises), every block gets back its
-class and settings.
+It sits on top of the package: settings (:mod:`prime_ac.config`), the policy, discovery
+(:mod:`prime_ac.discovery`), the wrapping primitives (:mod:`prime_ac.wrapping`) and the budget
+planner. A call is all or nothing: every argument is checked and every change planned before the
+model is touched, and if anything fails while applying (a ``targets="auto"`` profile that
+raises), every block gets back its class and settings.
 """
 
 from __future__ import annotations
@@ -22,19 +22,10 @@ import torch
 from torch import nn
 
 from prime_ac import tables
-from prime_ac.blocks import (
-    BlockCheckpoint,
-    BlockSelector,
-    changes_undone_on_error,
-    checkpoint_state,
-    find_blocks,
-    unwrap_block,
-    wrap_block,
-    wrapped_blocks,
-)
 from prime_ac.budget import budget_context_fn, plan_budget
 from prime_ac.config import ACConfig
 from prime_ac.contexts import block_context_fn
+from prime_ac.discovery import BlockSelector, find_blocks
 from prime_ac.policy import make_policy
 from prime_ac.scopes import scope_problems, split_targets, untrack
 from prime_ac.targets import (
@@ -44,6 +35,14 @@ from prime_ac.targets import (
     translate_composites,
 )
 from prime_ac.watch import Watch
+from prime_ac.wrapping import (
+    BlockCheckpoint,
+    changes_undone_on_error,
+    checkpoint_state,
+    unwrap_block,
+    wrap_block,
+    wrapped_blocks,
+)
 
 __all__ = ["checkpoint_blocks"]
 

@@ -298,7 +298,7 @@ def test_a_wrapped_model_pickles_and_stays_checkpointed(mode):
         copy.deepcopy,
     ):
         copied = restore(model)
-        assert [n for n, _ in prime_ac.blocks.wrapped_blocks(copied)] == ["layers.0", "layers.2"]
+        assert [n for n, _ in prime_ac.wrapping.wrapped_blocks(copied)] == ["layers.0", "layers.2"]
         assert type(copied.layers[0]) is type(model.layers[0])  # the same wrapper class
         assert copied.layers[0]._prime_ac.policy.mode == mode
         assert_bitwise_equal(_loss(copied, ids), expected)
@@ -481,13 +481,13 @@ def test_early_stop_reaches_the_region(early_stop, runs):
 
 def test_determinism_check_reaches_the_region(monkeypatch):
     seen = []
-    real = prime_ac.blocks.checkpoint
+    real = prime_ac.region.checkpoint
 
     def recording(*args, **kwargs):
         seen.append((kwargs.get("determinism_check"), kwargs.get("early_stop")))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(prime_ac.blocks, "checkpoint", recording)
+    monkeypatch.setattr(prime_ac.region, "checkpoint", recording)
     model = CountingModel(2)
     config = prime_ac.ACConfig(early_stop=False, determinism_check="none")
     prime_ac.checkpoint_blocks(model, config=config)

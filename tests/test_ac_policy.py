@@ -187,7 +187,7 @@ def test_a_name_in_torchs_own_namespaces_that_names_nothing_raises(target, messa
     model = model_factory()
     with pytest.raises(ValueError, match=message):
         prime_ac.checkpoint_blocks(model, mode="selective", targets=[target])
-    assert prime_ac.blocks.wrapped_blocks(model) == []  # refused before touching the model
+    assert prime_ac.wrapping.wrapped_blocks(model) == []  # refused before touching the model
 
 
 def test_torchs_operators_of_other_releases_are_never_refused_as_typos(model_factory):
@@ -196,7 +196,7 @@ def test_torchs_operators_of_other_releases_are_never_refused_as_typos(model_fac
     targets = ["aten::mm", *sorted(prime_ac.targets.RELEASE_DEPENDENT_OPERATORS)]
     model = model_factory()
     prime_ac.checkpoint_blocks(model, mode="selective", targets=targets)
-    assert prime_ac.blocks.wrapped_blocks(model)
+    assert prime_ac.wrapping.wrapped_blocks(model)
 
 
 def test_composite_names_trainers_use_are_translated_to_what_dispatches():

@@ -13,7 +13,7 @@ from ac_models import assert_bitwise_equal, grads
 from torch import nn
 
 import prime_ac
-from prime_ac.blocks import checkpoint_state
+from prime_ac.wrapping import checkpoint_state
 from prime_ac.budget import BlockPlan
 from prime_ac.config import ACConfig
 from prime_ac.models import build_model

@@ -182,7 +182,7 @@ def test_a_failing_profile_leaves_every_block_as_it_was(profile, error, message)
             model, mode="selective", targets="auto", budget=0.5, profile=profile
         )
     assert _state(model) == before
-    assert [n for n, _ in prime_ac.blocks.wrapped_blocks(model)] == ["layers.0", "layers.2"]
+    assert [n for n, _ in prime_ac.wrapping.wrapped_blocks(model)] == ["layers.0", "layers.2"]
 
 
 def test_a_failing_profile_on_a_plain_model_leaves_it_plain():

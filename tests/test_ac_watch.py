@@ -21,7 +21,7 @@ from torch import nn
 
 import prime_ac
 from prime_ac.actions import Action
-from prime_ac.blocks import checkpoint_state
+from prime_ac.wrapping import checkpoint_state
 from prime_ac.models import build_model
 
 

@@ -27,7 +27,7 @@ from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 import prime_ac
 import prime_ops  # noqa: F401  (registers prime_rl, prime_rl_collectives)
 from prime_ac import ACConfig, make_policy
-from prime_ac.blocks import checkpoint_state
+from prime_ac.wrapping import checkpoint_state
 from prime_ac.measure import track_step
 from prime_ac.targets import DEFAULT_TARGETS, LEVEL_TARGETS, MANDATORY_TARGETS, Target, TargetSet
 

@@ -19,7 +19,7 @@ pytest.importorskip("diffusers")
 from real_models import CASES, HELD_RATIOS, ONE_LAYER_CASES  # noqa: E402
 
 import prime_ac  # noqa: E402
-from prime_ac.blocks import checkpoint_state  # noqa: E402
+from prime_ac.wrapping import checkpoint_state  # noqa: E402
 
 # A user's own list: the GEMMs with and without bias (nn.Linear, GPT-2's Conv1D), no attention.
 # Strict: a model calls one of the two or both, and a matmul target is not reported while another
