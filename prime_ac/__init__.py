@@ -8,7 +8,7 @@ replay. prime_ac imports torch only: it knows operators by name, never by import
 from importlib.metadata import distributions as _distributions
 
 from prime_ac.audit import AuditReport, audit
-from prime_ac.checkpoint import checkpoint_blocks
+from prime_ac.checkpoint import checkpoint_blocks, get_layer_modes
 from prime_ac.config import ACConfig
 from prime_ac.contexts import context_fn
 from prime_ac.discovery import find_blocks
@@ -36,6 +36,7 @@ __all__ = [
     "checkpoint_blocks",
     "context_fn",
     "find_blocks",
+    "get_layer_modes",
     "is_checkpointed",
     "make_policy",
     "tag",

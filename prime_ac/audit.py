@@ -22,7 +22,7 @@ from torch import nn
 from prime_ac._compat import tree_leaves
 from prime_ac.actions import Action
 from prime_ac.measure import operator_flops, track_step_by_block, track_step_by_device
-from prime_ac.modes import ReplayMode
+from prime_ac.modes import ReplayMode, written_tensors
 from prime_ac.scopes import ScopeTracker
 from prime_ac.store import RegionStore
 from prime_ac.targets import TargetSet, operator_key
@@ -259,7 +259,13 @@ class _AuditKeepMode(MeasuringKeepMode):
         self.positions[func] += 1
         kept = self.store.stored != stored
         decision = action.label(kept)
-        size, flops = _bytes(out), operator_flops(func, args, kwargs, out)
+        # an out= operator returns nothing: what it wrote is its result (and what is kept)
+        result = (
+            written_tensors(self.rules.writes[func], args, kwargs or {})
+            if action is Action.KEEP_WRITTEN
+            else out
+        )
+        size, flops = _bytes(result), operator_flops(func, args, kwargs, out)
         self.recorder.seen.add(func)
         record = self.recorder.record(self.state.name, func, decision)
         record.calls += 1

@@ -15,7 +15,7 @@ import logging
 import sys
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -44,7 +44,7 @@ from prime_ac.wrapping import (
     wrapped_blocks,
 )
 
-__all__ = ["checkpoint_blocks"]
+__all__ = ["checkpoint_blocks", "get_layer_modes"]
 
 logger = logging.getLogger("prime_ac")
 
@@ -185,7 +185,11 @@ def checkpoint_blocks(
                 state = dataclasses.replace(
                     checkpoint_state(block),
                     context_fn=budget_context_fn(
-                        policy, frozenset(plans[name].kept), f"block {name!r}"
+                        policy,
+                        frozenset(plans[name].kept),
+                        f"block {name!r}",
+                        frozenset(plans[name].offloaded),
+                        plans[name].offloader,
                     ),
                     plan=plans[name],
                 )
@@ -224,44 +228,88 @@ def _install_scope_hooks(model: nn.Module, policy: Any) -> None:
 def _select(
     groups: list[list[tuple[str, nn.Module]]], config: ACConfig
 ) -> tuple[list[tuple[str, nn.Module]], dict[str, str]]:
-    """The blocks to wrap and each one's mode: every ``freq``-th block in its group, or, with
-    ``layer_modes``, each block whose entry (found by its index, the last part of its name, as
-    prime-rl's pipeline stages keep the full model's indices) is not ``"none"``."""
-    if config.layer_modes is None:
-        chosen = [
-            (name, block)
-            for group in groups
-            for index, (name, block) in enumerate(group)
-            if index % config.freq == 0
-        ]
-        return chosen, {name: config.mode for name, _ in chosen}
-    if len(groups) != 1:
+    """The blocks to wrap and each one's mode (:func:`get_layer_modes` per group)."""
+    if config.layer_modes is not None and len(groups) != 1:
         raise ValueError(
             f"layer_modes gives the layers of one stack a mode each, but the blocks form "
             f"{len(groups)} stacks ({', '.join(g[0][0] for g in groups if g)}, ...): pass "
             "blocks= naming one stack, or use mode= and freq="
         )
     chosen, modes = [], {}
-    for name, block in groups[0]:
-        index = name.rsplit(".", 1)[-1]
-        if not index.isdigit() or int(index) >= len(config.layer_modes):
+    for group in groups:
+        modes_here = get_layer_modes(config, [name for name, _ in group])
+        for (name, block), mode in zip(group, modes_here, strict=True):
+            if mode != "none":
+                chosen.append((name, block))
+                modes[name] = mode
+    return chosen, modes
+
+
+def get_layer_modes(
+    config: ACConfig, layer_names: Sequence[str], num_layers: int | None = None
+) -> list[str]:
+    """The mode of each layer this rank holds under ``config``, ``"none"`` for an unchecked one.
+
+    prime-rl's ``get_layer_modes``, for a trainer that keeps its own wrapping loop: with
+    ``layer_modes``, each layer's entry, found by the layer's index in the full model (pipeline
+    stages keep those: ``model.layers.7`` reads entry 7); otherwise ``config.mode`` for every
+    ``freq``-th name in ``layer_names`` (this rank's layers, in order) and ``"none"`` for the
+    rest. The index is the part of the names that tells the layers apart, so blocks that are
+    parts of layers (``layers.3.mlp``, ``layers.3.0``) read their layer's entry. ``num_layers``,
+    when given, is the full model's layer count that ``layer_modes`` must match.
+    """
+    names = list(layer_names)
+    if config.layer_modes is None:
+        return [config.mode if i % config.freq == 0 else "none" for i in range(len(names))]
+    count = len(config.layer_modes)
+    if num_layers is not None and num_layers != count:
+        raise ValueError(
+            f"layer_modes has {count} entries and the model {num_layers} decoder layers: give "
+            "one entry per layer of the full model"
+        )
+    modes = []
+    for name, index in zip(names, _layer_indices(names), strict=True):
+        if index >= count:
             raise ValueError(
-                f"layer_modes has {len(config.layer_modes)} entries, one per decoder layer of "
-                f"the full model by index, and block {name!r} "
-                + ("has no index" if not index.isdigit() else f"is layer {index}")
-                + ": give one entry per layer (blocks named by their index, as model.layers.N)"
+                f"layer_modes has {count} entries, one per decoder layer of the full model by "
+                f"index, and block {name!r} is layer {index}: give one entry per layer"
             )
-        mode = config.layer_modes[int(index)]
+        mode = config.layer_modes[index]
         if not isinstance(mode, str):
             raise ValueError(
                 f"layer_modes[{index}]={list(mode)!r} gives layer {index} a mode per half "
                 "(attention, moe), which prime-rl applies where a pipeline stage boundary cuts "
                 f"the layer; {name!r} is one whole block here: give it one mode"
             )
-        if mode != "none":
-            chosen.append((name, block))
-            modes[name] = mode
-    return chosen, modes
+        modes.append(mode)
+    return modes
+
+
+def _layer_indices(names: list[str]) -> list[int]:
+    """Each name's layer index: the one numeric part of the names whose values differ between
+    them (``layers.{0..3}.0`` -> 0..3), the last part for a single name with one number."""
+    parts = [name.split(".") for name in names]
+    shapes = {len(p) for p in parts}
+    numeric = (
+        [i for i in range(len(parts[0])) if all(p[i].isdigit() for p in parts)]
+        if len(shapes) == 1
+        else []
+    )
+    telling = [i for i in numeric if len({p[i] for p in parts}) == len(parts)]
+    if len(telling) == 1:
+        return [int(p[telling[0]]) for p in parts]
+    shown = ", ".join(repr(n) for n in names[:4]) + (", ..." if len(names) > 4 else "")
+    if not numeric:
+        why = "no numeric part that all of them share, as model.layers.N has"
+    elif not telling:
+        why = "no numeric part that differs between each of them"
+    else:
+        why = "several numeric parts that could be the layer's index"
+    raise ValueError(
+        f"layer_modes finds each block's entry by its layer index, and the blocks ({shown}) "
+        f"have {why}: select whole decoder layers (blocks named model.layers.N) or give the "
+        "blocks their modes with mode= and freq="
+    )
 
 
 def _layer_policies(
@@ -460,8 +508,13 @@ def _report(problems: list[tuple[str, str]], strict: bool, configuration: Any = 
     if not problems or key in _REPORTED:
         return
     _REPORTED.add(key)
-    for target, reason in problems:
-        logger.warning("prime_ac target %r %s; it matches nothing for now", target, reason)
+    # one record for the lot: a list naming a backend's ops before it loads (FastVideo's nine
+    # fastvideo:: ops) says so once, not once per op
+    logger.warning(
+        "prime_ac: %d target(s) match nothing for now (said once per configuration): %s",
+        len(problems),
+        "; ".join(f"{target!r} {reason}" for target, reason in problems),
+    )
 
 
 def _close(target: str, reason: str) -> str:

@@ -10,6 +10,7 @@ so compiled and eager decisions are the same and nothing runs per operator.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -18,7 +19,8 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from prime_ac import _compat
 from prime_ac.modes import KeepMode, ReplayMode, Rules
-from prime_ac.policy import Mode, OperatorPolicy, make_policy, target_list
+from prime_ac.policy import MODES, Mode, OperatorPolicy, make_policy, target_list
+from prime_ac.scopes import parse_target
 from prime_ac.store import KeptOutputMutatedError, RegionStore, ReplayMismatchError
 from prime_ac.watch import MeasuringKeepMode, Watch
 
@@ -32,6 +34,7 @@ __all__ = [
 ]
 
 _PREFER_RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
+logger = logging.getLogger("prime_ac")
 
 
 def _must_recompute(policy: OperatorPolicy, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
@@ -106,7 +109,8 @@ def context_fn(
     ``(ctx, op, *args, **kwargs) -> CheckpointPolicy``, called once per forward operator call
     (views and in-place operators excepted: they always replay, see :mod:`prime_ac.policy`).
     ``name`` appears in errors. It may be called inside a compiled function (with a policy built
-    outside it).
+    outside it). ``targets`` with a mode other than ``"selective"`` are unused, as in prime-rl's
+    ``get_checkpoint_context_fn`` (logged once per setting).
 
     Example::
 
@@ -126,12 +130,30 @@ def context_fn(
             )
         return checkpoint_contexts(Rules(policy), name)
     targets = None if targets is None else tuple(target_list("targets", targets))
+    if targets is not None and mode != "selective" and mode in MODES:
+        targets = _unused_targets(mode, targets)
     mandatory = () if mandatory is None else tuple(target_list("mandatory", mandatory))
     if not torch.compiler.is_compiling():
         _rules_for(mode, targets, mandatory)  # bad settings raise here, not in the forward
     # Only constants in the partial: torch.compile traces a context_fn built inside a compiled
     # function, and takes a checkpoint's context_fn only as a Python constant.
     return functools.partial(_named_contexts, mode, targets, mandatory, name)
+
+
+@functools.cache
+def _unused_targets(mode: str, targets: tuple) -> None:
+    """None for ``targets`` given with a mode that keeps none, as prime-rl's
+    ``get_checkpoint_context_fn`` takes and ignores them; logged once per setting."""
+    for target in targets:
+        parse_target(target)  # a typo is an error even where the list is unused
+    logger.info(
+        "prime_ac: context_fn(%r, targets=%r): mode %r keeps no targets, so they are unused "
+        "(prime-rl ignores them too); they apply with mode='selective'",
+        mode,
+        list(targets),
+        mode,
+    )
+    return None
 
 
 def _traced_context_fn(policy: Any) -> Callable[[], tuple[Any, Any]]:

@@ -32,7 +32,7 @@ from prime_ac.actions import IGNORED_OPS, Action
 from prime_ac.policy import OperatorPolicy, reads_device_into_host
 from prime_ac.store import RegionStore, input_shapes
 
-__all__ = ["KeepMode", "ReplayMode", "Rules"]
+__all__ = ["KeepMode", "ReplayMode", "Rules", "written_tensors"]
 
 _IGNORE, _REPLAY, _KEEP_WRITTEN = Action.IGNORE, Action.REPLAY, Action.KEEP_WRITTEN
 _INDUCTOR_COMPILED_CODE = _compat.INDUCTOR_COMPILED_CODE
@@ -111,7 +111,7 @@ class KeepMode(_RegionMode):
             kwargs = kwargs or {}
             store = self.store
             if store.held and func in self.rules.writes:
-                store.copy_before_write(_written_tensors(self.rules.writes[func], args, kwargs))
+                store.copy_before_write(written_tensors(self.rules.writes[func], args, kwargs))
             out = func(*args, **kwargs)
             if action is _REPLAY or action is _IGNORE:
                 return out
@@ -124,7 +124,7 @@ class KeepMode(_RegionMode):
             if action in _PER_CALL and not self._keeps_call(action, func, index, args, kwargs, out):
                 return out
             if action is _KEEP_WRITTEN:  # it returns nothing: what it wrote is its result
-                kept = tuple(_written_tensors(self.rules.writes[func], args, kwargs))
+                kept = tuple(written_tensors(self.rules.writes[func], args, kwargs))
                 store.keep(key, index, kept, input_shapes(args, kwargs))
                 return out
             store.keep(key, index, out, input_shapes(args, kwargs))
@@ -171,7 +171,7 @@ class ReplayMode(_RegionMode):
             if out is NotImplemented:
                 return func(*args, **kwargs)
             if action is _KEEP_WRITTEN:  # write what the forward wrote instead of computing it
-                written = _written_tensors(self.rules.writes[func], args, kwargs)
+                written = written_tensors(self.rules.writes[func], args, kwargs)
                 for tensor, value in zip(written, out, strict=True):
                     tensor.copy_(value)
                 return None
@@ -192,7 +192,9 @@ class ReplayMode(_RegionMode):
         return None
 
 
-def _written_tensors(written: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+def written_tensors(written: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors a call writes (``written`` as :attr:`Rules.writes` holds it): what an out=
+    operator that returns nothing produces."""
     if written is None:  # unknown: every tensor argument
         return [t for t in _compat.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     tensors = []

@@ -337,3 +337,63 @@ def test_blocks_whose_checkpointing_saves_nothing_are_reported(mode):
     prime_ac.checkpoint_blocks(blocks, mode=mode)
     tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
     assert prime_ac.audit(blocks, lambda m: m.loss(tokens)).blocks_saving_nothing == []
+
+
+def test_audit_counts_the_bytes_an_out_gemm_wrote_in_its_row():
+    # an out= GEMM returns nothing and is kept with what it wrote (Action.KEEP_WRITTEN): its row
+    # reports those bytes, and the rows add up to the blocks' kept bytes
+    lib = torch.library.Library("prime_ac_test_audit_out", "DEF")
+    lib.define("gemm_out(Tensor a, Tensor b, Tensor(a!) out) -> ()")
+
+    def gemm_out(a, b, out):
+        torch.mm(a, b, out=out)
+
+    lib.impl("gemm_out", gemm_out, "CompositeExplicitAutograd")
+
+    class OutGemm(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b):
+            ctx.save_for_backward(a, b)
+            out = a.new_empty(a.shape[0], b.shape[1])
+            torch.ops.prime_ac_test_audit_out.gemm_out(a, b, out)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            a, b = ctx.saved_tensors
+            return grad @ b.T, a.T @ grad
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x):
+            return OutGemm.apply(x, self.w).tanh()
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(Block() for _ in range(2))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    try:
+        model = Model()
+        prime_ac.checkpoint_blocks(
+            model, mode="selective", targets=["prime_ac_test_audit_out::gemm_out"], blocks="layers"
+        )
+        x = torch.randn(4, 8)
+        report = prime_ac.audit(model, lambda m: m(x).square().sum())
+        rows = [r for r in report.ops if r.op == "prime_ac_test_audit_out::gemm_out.default"]
+        assert [r.decision for r in rows] == ["kept", "kept"]
+        assert [r.kept_bytes for r in rows] == [4 * 8 * 4, 4 * 8 * 4]
+        per_block = {
+            b: sum(r.kept_bytes for r in report.ops if r.block == b) for b in report.blocks
+        }
+        assert per_block == report.block_held_bytes
+    finally:
+        lib._destroy()

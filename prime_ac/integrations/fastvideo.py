@@ -11,6 +11,8 @@ matrix product (older lists named ``aten::mm``) its biased twin ``aten::addmm``.
 
 FastVideo's ``ops`` mode wraps blocks with ``preserve_rng_state=False``: its blocks draw no
 random numbers that must replay; pass the same to :func:`prime_ac.checkpoint_blocks` to match it.
+:func:`apply_activation_checkpointing` is FastVideo's entry point of the same name on prime_ac:
+its three types, its block lists, and its op list read when it is called.
 
 Nothing here imports FastVideo.
 """
@@ -21,8 +23,29 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch import nn
 
-__all__ = ["FASTVIDEO_OP_LIST", "targets_from_op_list"]
+from prime_ac import checkpoint_blocks
+
+__all__ = [
+    "FASTVIDEO_BLOCK_LISTS",
+    "FASTVIDEO_OP_LIST",
+    "apply_activation_checkpointing",
+    "targets_from_op_list",
+]
+
+FASTVIDEO_BLOCK_LISTS: tuple[str, ...] = (
+    "blocks",
+    "double_blocks",
+    "single_blocks",
+    "transformer_blocks",
+    "temporal_transformer_blocks",
+    "transformer_double_blocks",
+    "transformer_single_blocks",
+    "text_transformer_blocks",
+    "visual_transformer_blocks",
+)
+"""The attributes FastVideo main's ``_TRANSFORMER_BLOCK_NAMES`` looks for on a transformer."""
 
 FASTVIDEO_OP_LIST: tuple[str, ...] = (
     "aten::_scaled_dot_product_flash_attention",
@@ -118,3 +141,43 @@ def _check_overload(op: Any, base: str, overload: str) -> None:
             f"ops names {op!r}, but {base} has no overload {overload!r} (it has "
             f"{', '.join(known)}): fix the overload, or name the operator without one ({base!r})"
         )
+
+
+def apply_activation_checkpointing(
+    module: nn.Module,
+    checkpointing_type: Any = "full",
+    n_layer: int = 1,
+    *,
+    op_list: Iterable[Any] | None = None,
+) -> nn.Module:
+    """Checkpoint ``module``'s blocks as FastVideo's function of the same name does, with prime_ac.
+
+    ``checkpointing_type`` is FastVideo's (a string or its ``CheckpointType``): ``"full"`` checks
+    every block of FastVideo's block lists (:data:`FASTVIDEO_BLOCK_LISTS`), ``"ops"`` keeps
+    ``op_list`` (FastVideo's list: :data:`FASTVIDEO_OP_LIST`, read now, so a test that
+    monkeypatches it is honoured), ``"block_skip"`` checks every ``n_layer``-th block. Blocks
+    keep their class and names, as with :func:`prime_ac.checkpoint_blocks`; ``module`` is
+    returned. A module with none of the block lists raises ValueError, as FastVideo's does.
+    """
+    kind = getattr(checkpointing_type, "value", checkpointing_type)
+    settings = {"full": ("full", 1), "ops": ("selective", 1), "block_skip": ("full", n_layer)}
+    if kind not in settings:
+        raise ValueError(
+            f"checkpointing_type={checkpointing_type!r} is not one of FastVideo's types: use "
+            f"{', '.join(repr(k) for k in settings)}"
+        )
+    blocks = [name for name in FASTVIDEO_BLOCK_LISTS if getattr(module, name, None) is not None]
+    if not blocks:
+        raise ValueError(
+            f"activation checkpointing found nothing to apply to: {type(module).__name__} has "
+            f"none of FastVideo's block lists ({', '.join(FASTVIDEO_BLOCK_LISTS)}); wrap its "
+            "blocks with prime_ac.checkpoint_blocks(module, blocks=...) instead"
+        )
+    mode, freq = settings[kind]
+    targets = None
+    if kind == "ops":
+        targets = targets_from_op_list(FASTVIDEO_OP_LIST if op_list is None else op_list)
+    checkpoint_blocks(
+        module, mode=mode, freq=freq, targets=targets, blocks=blocks, preserve_rng_state=False
+    )
+    return module

@@ -10,6 +10,7 @@ and FastVideo's own wrapping, torch's CheckpointWrapper with torch's SAC.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 
 import pytest
@@ -162,6 +163,59 @@ def test_checkpointing_rejects_transformers_without_known_block_lists():
     # mirrors the test of the same name: nothing to wrap is an error, not a silent no-op
     with pytest.raises(ValueError, match="found no stack of blocks"):
         prime_ac.checkpoint_blocks(nn.Linear(4, 4), mode="selective")
+
+
+@pytest.mark.parametrize(
+    ("checkpointing_type", "retain", "calls"),
+    [("full", True, 8), ("ops", True, 4), ("ops", False, 8), ("block_skip", True, 6)],
+)
+def test_fastvideos_entry_point_reads_a_monkeypatched_list(
+    monkeypatch, checkpointing_type, retain, calls
+):
+    # FastVideo's tests add their op to the list with monkeypatch.setattr; the entry point reads
+    # the list when called (block_skip with n_layer=2 checks blocks 0 and 2 of 4)
+    from prime_ac.integrations import fastvideo
+
+    if retain:
+        monkeypatch.setattr(fastvideo, "FASTVIDEO_OP_LIST", (*FASTVIDEO_OP_LIST, EXPENSIVE))
+    apply = lambda m: fastvideo.apply_activation_checkpointing(m, checkpointing_type, n_layer=2)  # noqa: E731
+    assert run_toy(apply)[0] == calls
+    model = ToyTransformer()
+    assert fastvideo.apply_activation_checkpointing(model, checkpointing_type) is model
+    assert [prime_ac.is_checkpointed(b) for b in model.blocks] == [True] * 4
+
+
+def test_fastvideos_entry_point_takes_its_list_as_an_argument_and_refuses_other_types():
+    from prime_ac.integrations import fastvideo
+
+    apply = lambda m: fastvideo.apply_activation_checkpointing(  # noqa: E731
+        m, "ops", op_list={*FASTVIDEO_OP_LIST, EXPENSIVE}
+    )
+    assert run_toy(apply)[0] == 4
+    with pytest.raises(ValueError, match="checkpointing_type='some'.*'full', 'ops', 'block_skip'"):
+        fastvideo.apply_activation_checkpointing(ToyTransformer(), "some")
+
+
+@pytest.mark.parametrize("checkpointing_type", ["full", "ops"])
+def test_fastvideos_entry_point_rejects_transformers_without_its_block_lists(checkpointing_type):
+    # FastVideo's test of that name matches its own message; prime_ac's names the lists
+    from prime_ac.integrations import fastvideo
+
+    with pytest.raises(ValueError, match="none of FastVideo's block lists"):
+        fastvideo.apply_activation_checkpointing(nn.Linear(4, 4), checkpointing_type)
+
+
+def test_fastvideos_unregistered_ops_are_logged_in_one_line(caplog):
+    # its nine fastvideo:: / fastvideo_kernel:: ops register when its backends load; until then
+    # one warning names them all, once per configuration
+    targets = targets_from_op_list([EXPENSIVE, *FASTVIDEO_OP_LIST])  # a configuration of its own
+    with caplog.at_level(logging.WARNING, logger="prime_ac"):
+        for _ in range(2):
+            prime_ac.checkpoint_blocks(ToyTransformer(), mode="selective", targets=targets)
+    records = [r for r in caplog.records if "match nothing for now" in r.getMessage()]
+    assert len(records) == 1
+    unregistered = [n for n in FASTVIDEO_OP_LIST if not n.startswith("aten::")]
+    assert len(unregistered) == 9 and all(n in records[0].getMessage() for n in unregistered)
 
 
 def test_the_current_list_is_fastvideos_main():

@@ -27,9 +27,9 @@ from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 import prime_ac
 import prime_ops  # noqa: F401  (registers prime_rl, prime_rl_collectives)
 from prime_ac import ACConfig, make_policy
-from prime_ac.wrapping import checkpoint_state
 from prime_ac.measure import track_step
 from prime_ac.targets import DEFAULT_TARGETS, LEVEL_TARGETS, MANDATORY_TARGETS, Target, TargetSet
+from prime_ac.wrapping import checkpoint_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dist_utils import run_distributed  # noqa: E402
@@ -423,6 +423,84 @@ def test_layer_modes_on_a_pipeline_stage_use_the_full_models_indices():
     halves = ACConfig.from_dict({"layer_modes": ["full", ["full", "attention"]]})
     with pytest.raises(ValueError, match=r"layer_modes\[1\].*per half"):
         prime_ac.checkpoint_blocks(_layers(2), config=halves)
+
+
+class _SubLayered(nn.Module):
+    """Four layers, each an nn.Sequential whose first child is a linear (``layers.N.0``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(6, 6), nn.SiLU(), nn.Linear(6, 6)) for _ in range(4)
+        )
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_layer_modes_with_sub_module_blocks_read_their_layers_entries():
+    # blocks= picking a part of each layer: entry N is layer N's, not the part's own index (0)
+    model, reference = _SubLayered(), _SubLayered()
+    reference.load_state_dict(model.state_dict())
+    config = ACConfig.from_dict({"layer_modes": ["full", "none", "matmul", "none"]})
+    first = lambda name, module: name.count(".") == 2 and name.endswith(".0")  # noqa: E731
+    assert prime_ac.checkpoint_blocks(model, config=config, blocks=first) == [
+        "layers.0.0",
+        "layers.2.0",
+    ]
+    x = torch.randn(5, 6)
+    model(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+    # a single sub-module block cannot say which of its numbers is the layer's: it raises
+    only = lambda name, module: name == "layers.2.0"  # noqa: E731
+    with pytest.raises(ValueError, match="several numeric parts.*model.layers.N"):
+        prime_ac.checkpoint_blocks(_SubLayered(), config=config, blocks=only)
+
+
+@pytest.mark.parametrize("mode", ["full", "full_moe", "projections", "attention", "matmul"])
+def test_context_fn_of_a_fixed_mode_takes_and_ignores_targets(mode, caplog):
+    # mirrors prime-rl's get_checkpoint_context_fn(config, mode): config.targets are passed for
+    # every mode and read only by "selective"; logged once per setting
+    caplog.set_level(logging.INFO, logger="prime_ac")
+    targets = ["aten::mm", f"prime_ac_test_{mode}_ns"]
+    block = nn.Sequential(nn.Linear(6, 6), nn.SiLU(), nn.Linear(6, 6))
+    x = torch.randn(5, 6, requires_grad=True)
+    grads = []
+    for fn in (prime_ac.context_fn(mode, targets), prime_ac.context_fn(mode)):
+        block.zero_grad()
+        torch.utils.checkpoint.checkpoint(
+            block, x, use_reentrant=False, context_fn=fn
+        ).sum().backward()
+        grads.append([p.grad.clone() for p in block.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    prime_ac.context_fn(mode, targets)
+    assert caplog.text.count(f"prime_ac_test_{mode}_ns") == 1 and "prime-rl ignores" in caplog.text
+    with pytest.raises(ValueError, match="'bad name'"):  # a typo still surfaces
+        prime_ac.context_fn(mode, ["bad name"])
+
+
+def test_get_layer_modes_is_prime_rls_loop_helper():
+    # mirrors prime-rl's get_layer_modes(config, layer_names, num_layers): "none" for unchecked
+    get = prime_ac.get_layer_modes
+    assert get(ACConfig(mode="selective", freq=2), ["layers.0", "layers.1", "layers.2"]) == [
+        "selective",
+        "none",
+        "selective",
+    ]
+    stage = ["model.layers.2", "model.layers.3"]
+    config = ACConfig(layer_modes=("full", "none", "attention", "none"))
+    assert get(config, stage, 4) == ["attention", "none"]
+    with pytest.raises(ValueError, match="4 entries and the model 6 decoder layers"):
+        get(config, stage, 6)
+    model = _layers(4)
+    names = [f"layers.{i}" for i in range(4)]
+    modes = dict(zip(names, get(config, names), strict=True))
+    wrapped = prime_ac.checkpoint_blocks(model, config=config)
+    assert wrapped == [name for name, mode in modes.items() if mode != "none"]
 
 
 def test_targets_under_a_mode_that_keeps_none_are_ignored_as_prime_rl_does(caplog):
