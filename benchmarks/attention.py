@@ -40,7 +40,8 @@ import torch.nn.functional as F
 
 import prime_ops  # noqa: F401  (registers the ops)
 from prime_ops.attn import sdpa, varlen_attention
-from prime_ops.attn.varlen import BACKENDS, VarlenArgs
+from prime_ops.attn.args import VarlenArgs
+from prime_ops.attn.varlen import BACKENDS
 
 CPU_SHAPE = {"lengths": [64, 32, 96, 64], "heads": 4, "head_dim": 32, "dtype": "float32"}
 GPU_SHAPE = {"lengths": [2048, 1024, 3072, 2048], "heads": 16, "head_dim": 128, "dtype": "bfloat16"}

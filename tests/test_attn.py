@@ -15,7 +15,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import prime_ops
 from prime_ops.attn import flash, varlen_attention
-from prime_ops.attn.varlen import BACKENDS, VarlenArgs
+from prime_ops.attn.args import VarlenArgs
+from prime_ops.attn.varlen import BACKENDS
 
 INF = float("inf")
 

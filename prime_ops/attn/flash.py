@@ -28,7 +28,7 @@ from torch import Tensor
 from prime_ops.backends import import_backend
 
 if TYPE_CHECKING:
-    from prime_ops.attn.varlen import VarlenArgs
+    from prime_ops.attn.args import VarlenArgs
 
 __all__ = [
     "FA3_BUILD",

@@ -38,9 +38,9 @@ import torch
 from torch import Tensor
 
 from prime_ops._compat import all_gather_single, reduce_scatter_single
+from prime_ops.attn.args import VarlenArgs
 from prime_ops.attn.varlen import (
     Backend,
-    VarlenArgs,
     _empty_outputs,
     _register_autograd,
     check_arguments,

@@ -30,10 +30,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from prime_ops import native
+from prime_ops.attn.args import VarlenArgs
 from prime_ops.attn.sdpa import lse_dtype
 from prime_ops.attn.seqlens import can_read, shard_cu_seqlens, spans
 from prime_ops.attn.varlen import (
-    VarlenArgs,
     _default_scale,
     _empty_outputs,
     _register_autograd,

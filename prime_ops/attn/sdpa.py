@@ -19,7 +19,7 @@ from torch import Tensor
 from prime_ops.attn.seqlens import spans
 
 if TYPE_CHECKING:
-    from prime_ops.attn.varlen import VarlenArgs
+    from prime_ops.attn.args import VarlenArgs
 
 __all__ = ["backward", "forward", "lse_dtype", "visible"]
 

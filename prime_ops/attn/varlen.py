@@ -32,12 +32,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from prime_ops.attn import flash, sdpa
+from prime_ops.attn.args import VarlenArgs
 from prime_ops.attn.seqlens import can_read, spans
 from prime_ops.devices import check_same_device
 
@@ -48,7 +48,6 @@ __all__ = [
     "OPS",
     "Backend",
     "Schema",
-    "VarlenArgs",
     "check_arguments",
     "get_backend",
     "head_dim_strided",
@@ -57,24 +56,6 @@ __all__ = [
 
 _HALF = (torch.float16, torch.bfloat16)
 _SYMBOLIC = (torch.SymInt, torch.SymFloat)
-
-
-class VarlenArgs(NamedTuple):
-    """Everything of a varlen call but q, k and v, in the contract's conventions.
-
-    ``max_seqlen_*`` bound every sequence (the packed length when the caller passed None);
-    windows use -1 for unbounded; ``softcap`` 0 is off.
-    """
-
-    cu_seqlens_q: Tensor
-    cu_seqlens_k: Tensor
-    max_seqlen_q: int
-    max_seqlen_k: int
-    causal: bool
-    softmax_scale: float
-    window_size_left: int
-    window_size_right: int
-    softcap: float
 
 
 @dataclass(frozen=True)
