@@ -417,6 +417,24 @@ def test_ops_reject_bad_inputs():
         fp8.fp8_blockwise_mm(x, torch.randn(128, 128))
 
 
+def test_missing_tensors_and_zero_groups_are_named():
+    """Issue 37's bad-input sweep: x=None was an AttributeError, 0 groups an IndexError."""
+    w = torch.randn(128, 256)
+    with pytest.raises(TypeError, match="fp8_blockwise_mm: x must be a tensor, got NoneType"):
+        fp8.fp8_blockwise_mm(None, w)
+    with pytest.raises(TypeError, match="fp8_blockwise_mm: x must be a tensor, got NoneType"):
+        torch.ops.prime_rl.fp8_blockwise_mm(None, w, 128)
+    with pytest.raises(TypeError, match="weight must be a tensor, got list"):
+        fp8.fp8_blockwise_mm(torch.randn(4, 256), [[1.0]])
+    empty = torch.zeros(0, dtype=torch.int32)
+    with pytest.raises(ValueError, match="weight has 0 groups.*at least one"):
+        fp8.grouped_fp8_gemm(torch.randn(4, 128), torch.randn(0, 128, 128), empty)
+    a, sa = quantize_blockwise(torch.randn(4, 128), 1)
+    b = torch.zeros(0, 128, 128, dtype=FP8_DTYPE)
+    with pytest.raises(ValueError, match="b has 0 groups"):
+        fp8.grouped_fp8_gemm_nt(a, sa, b, torch.zeros(0, 1, 1), empty)
+
+
 def test_ops_refuse_mixed_devices():
     x, w = torch.randn(6, 128), torch.randn(3, 128, 128)
     offsets = torch.tensor([2, 4, 6], dtype=torch.int32)

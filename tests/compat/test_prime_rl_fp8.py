@@ -128,6 +128,75 @@ def test_accumulate_wgrad_fp32():
     assert torch.equal(single.bfloat16(), bf16_grad)  # the bf16 gradient is that product rounded
 
 
+class _Float8BlockwiseLinear(torch.nn.Linear):
+    """prime-rl's ``Float8BlockwiseLinear`` (fp8_linear.py, the newest version in the index) after
+    the switch: its forward calls the op with ``self.wgrad_key``; ``accumulate_wgrad_fp32`` sets
+    ``wgrad_key = id(self)`` and stores the accumulator in the module's ``_wgrad_accumulators``
+    dict, which migration.md binds to ``prime_ops.fp8.wgrad_accumulators``."""
+
+    def __init__(self, *args, registry, **kwargs):
+        super().__init__(*args, bias=False, **kwargs)
+        self.block_size, self.wgrad_key, self._registry = 128, 0, registry
+
+    def forward(self, x):
+        return OPS.fp8_blockwise_mm(x, self.weight, self.block_size, self.wgrad_key)
+
+    def accumulate_wgrad_fp32(self, accumulator):
+        self.wgrad_key = id(self)
+        self._registry[self.wgrad_key] = accumulator
+
+
+def _switched_linear(registry):
+    linear = _Float8BlockwiseLinear(256, 384, registry=registry, dtype=torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(_linear_case()[1])
+    return linear
+
+
+def test_prime_rls_accumulator_registration_after_the_switch():
+    """migration.md's step (``from prime_ops.fp8 import wgrad_accumulators as
+    _wgrad_accumulators`` in fp8_linear.py): prime-rl's own registration reaches prime_ops, the
+    fp32 buffer receives the weight gradient and the weight gets no bf16 ``.grad``."""
+    from prime_ops.fp8 import wgrad_accumulators as _wgrad_accumulators
+
+    linear = _switched_linear(_wgrad_accumulators)
+    x = _linear_case()[0].detach()
+    grad = torch.randn(2, 3, 384, generator=_gen(1)).bfloat16()
+    linear(x).backward(grad)
+    plain = linear.weight.grad
+    linear.weight.grad = None
+    buffer = torch.zeros(linear.weight.shape)
+    linear.accumulate_wgrad_fp32(lambda: buffer)
+    try:
+        linear(x).backward(grad)
+    finally:
+        fp8.accumulate_wgrad_fp32(linear.wgrad_key, None)
+    assert linear.weight.grad is None
+    assert torch.equal(buffer.bfloat16(), plain)  # the same product, kept in fp32
+
+
+def test_an_accumulator_prime_ops_cannot_see_raises():
+    """A half-done switch (prime-rl's own dict kept) used to lose the gradient in silence: the
+    buffer stayed at zero and the weight got a bf16 ``.grad``. Now the backward (and its fake)
+    raises, naming the key and the fix."""
+    linear = _switched_linear({})  # prime-rl's dict, not bound to prime_ops'
+    buffer = torch.zeros(linear.weight.shape)
+    linear.accumulate_wgrad_fp32(lambda: buffer)
+    out = linear(_linear_case()[0].detach())
+    with pytest.raises(
+        KeyError, match=rf"wgrad_key={linear.wgrad_key} has no fp32 accumulator.*wgrad_accumulators"
+    ):
+        out.backward(torch.ones_like(out))
+    assert torch.all(buffer == 0)
+    x = torch.empty(4, 256, dtype=torch.bfloat16, device="meta")
+    w = torch.empty(384, 256, dtype=torch.bfloat16, device="meta")
+    g = torch.empty(4, 384, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(KeyError, match="migration.md"):
+        OPS.fp8_blockwise_mm_backward(g, x, w, 128, False, True, linear.wgrad_key)
+    # The data gradient alone needs no accumulator.
+    OPS.fp8_blockwise_mm_backward(g, x, w, 128, True, False, linear.wgrad_key)
+
+
 def _per_token_cast(t):
     """The activation cast prime-rl's producers store (``clamped_swiglu_fp8``): 1x128 blocks,
     scale amax / 448, float8_e4m3fn, scales transposed to [K / 128, tokens padded to 4]."""
