@@ -25,8 +25,14 @@ long as something can still use it, and no longer.
 CPU included). It is created at construction: a buffer created lazily inside the first
 checkpointed forward would add collectives that the recompute does not replay.
 
-Every check on the inputs runs before any communication, so bad input raises on the rank that
-has it before its peers enter a collective.
+Every check on the inputs runs before any communication. In the default mode a bad input raises
+on the rank that has it alone, while its peers may already be waiting in the dispatch (until the
+group's timeout): the error says so first. In checked mode (``PRIME_OPS_CHECK_COLLECTIVES=1`` or
+:func:`prime_ops.groups.set_checked`, docs/collectives.md) the ranks exchange their checks' verdicts
+and their settings (``num_experts``, hidden size, dtype, top-k) first, so every rank raises.
+
+DeepEP has kernel configs for :data:`EP_SIZES` ranks only; other group sizes are refused at
+construction, before any buffer is made.
 """
 
 from __future__ import annotations
@@ -36,12 +42,14 @@ import weakref
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from prime_ops.backends import import_backend
 from prime_ops.deepep_reference import ReferenceBuffer
 from prime_ops.devices import check_same_device
+from prime_ops.groups import Fingerprint
 
-__all__ = ["Dispatched", "Dispatcher", "live_handles"]
+__all__ = ["EP_SIZES", "Dispatched", "Dispatcher", "live_handles"]
 
 BUILD = (
     "then build DeepEP from source (PyPI has no working DeepEP): git clone "
@@ -49,6 +57,11 @@ BUILD = (
     "NVSHMEM its internode and low-latency kernels need; see docs/backends.md)"
 )
 BACKENDS = ("deepep", "reference")
+EP_SIZES = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160)
+"""Group sizes DeepEP has dispatch and combine configs for (``Buffer.get_dispatch_config`` /
+``get_combine_config``, ``deep_ep/buffers/legacy.py`` @ dd758caf4518, DeepEP 2.1.0; the same in
+1.x's ``deep_ep/buffer.py``); for any other size DeepEP's size hints assert "Unsupported number
+of EP ranks"."""
 
 _keys = itertools.count(1)
 # Ops receive a dispatcher as an int (a schema cannot carry the object): this weak table is the
@@ -90,16 +103,21 @@ def _same_layout(a: Any, b: Any) -> bool:
     return a is b or (isinstance(a, (int, float, bool, str)) and a == b)
 
 
-def _check_backend_and_group(backend: str, group, hint: str = "") -> int:
-    """The backend name and a group size DeepEP runs on (returned); ``hint`` ends the group-size
-    error."""
+def _check_backend_and_group(backend: str, group, hint: str = "", op: str = "Dispatcher") -> int:
+    """The backend name and a group size DeepEP has configs for (returned); ``hint`` ends the
+    group-size error."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not isinstance(group, dist.ProcessGroup) and not callable(getattr(group, "size", None)):
+        raise TypeError(
+            f"{op}: group must be a torch.distributed.ProcessGroup (torch.distributed.group.WORLD, "
+            f"a torch.distributed.new_group result or a DeviceMesh's get_group()), got {group!r}"
+        )
     ranks = group.size()
-    if not _supported_group_size(ranks):
+    if ranks not in EP_SIZES:
         raise ValueError(
-            f"the group has {ranks} rank(s); DeepEP's dispatch/combine run on 2, 4 or 8 ranks "
-            f"in a node or whole 8-GPU nodes (16, 24, 32, ...){hint}"
+            f"the group has {ranks} rank(s); DeepEP has dispatch/combine configs for "
+            f"{', '.join(map(str, EP_SIZES))} ranks only (Buffer.get_dispatch_config){hint}"
         )
     return ranks
 
@@ -112,9 +130,35 @@ def _size_hints(deep_ep, ranks: int, hidden_bytes: int) -> tuple[int, int]:
     return nvl, rdma
 
 
-def _supported_group_size(ranks: int) -> bool:
-    # DeepEP's normal kernels: 2, 4 or 8 ranks over NVLink, or whole 8-GPU nodes over RDMA.
-    return ranks in (2, 4, 8) or (ranks > 8 and ranks % 8 == 0)
+def _checks(op: str, group, describe) -> None:
+    """Run ``describe`` (the call's checks on this rank, returning its
+    :class:`~prime_ops.groups.Fingerprint`) as the collectives' fronts do: across the group in
+    checked mode, alone in the default mode with the peers-may-wait hint first. A stand-in group
+    (no ProcessGroup: tests) runs the checks alone."""
+    if isinstance(group, dist.ProcessGroup):
+        from prime_ops.collectives import _run_checks
+
+        _run_checks(op, group, describe)
+    else:
+        describe()
+
+
+def _check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
+    # One host read before any communication: an out-of-range expert would silently route
+    # nowhere in DeepEP (its layout kernel skips it).
+    bad = (topk_idx < -1) | (topk_idx >= num_experts)
+    if bool(bad.any()):
+        raise ValueError(
+            f"topk_idx values must lie in [-1, num_experts={num_experts}) (-1 selects no expert), "
+            f"got {topk_idx[bad][:8].tolist()}"
+        )
+
+
+def _check_tensors(op: str, **tensors) -> None:
+    """Tensor arguments that are no tensor (None included: a schema's Tensor lets it through)."""
+    for name, value in tensors.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor, got {value!r}")
 
 
 class Dispatcher:
@@ -165,6 +209,7 @@ class Dispatcher:
         self.hidden = hidden
         self.expert_alignment = expert_alignment
         self.backend = backend
+        self.group = group
         # DeepEP's kernels take top-k indices as its build's ``topk_idx_t`` (int64 unless built
         # with EP_NUM_TOPK_IDX_BITS=32); the ops take and return int64 whatever the build.
         self.topk_idx_dtype = torch.int64
@@ -356,16 +401,9 @@ def _check_dispatch(x, topk_idx, topk_weights, num_experts, num_local_experts) -
 
 
 def _route(buffer, index_dtype, x, topk_idx, topk_weights, num_experts, **dispatch_kwargs):
-    """DeepEP's layout of ``topk_idx`` (as the build's ``index_dtype``), then the dispatch along
-    it; returns ``(recv_x, recv_idx, recv_weights, counts, layout)``."""
-    # One host read before any communication: an out-of-range expert would silently route
-    # nowhere in DeepEP (its layout kernel skips it).
-    bad = (topk_idx < -1) | (topk_idx >= num_experts)
-    if bool(bad.any()):
-        raise ValueError(
-            f"topk_idx values must lie in [-1, num_experts={num_experts}) (-1 selects no expert), "
-            f"got {topk_idx[bad][:8].tolist()}"
-        )
+    """DeepEP's layout of ``topk_idx`` (as the build's ``index_dtype``; its values checked by
+    :func:`_check_expert_ids`), then the dispatch along it; returns ``(recv_x, recv_idx,
+    recv_weights, counts, layout)``."""
     topk_idx = topk_idx.to(index_dtype)
     per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(
         topk_idx, num_experts
@@ -393,16 +431,27 @@ def _dispatch(
     num_local_experts: int,
     expert_alignment: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check_dispatch(x, topk_idx, topk_weights, num_experts, num_local_experts)
     owner = _lookup(dispatcher)
     settings = (num_experts, num_local_experts, expert_alignment)
-    if settings != (owner.num_experts, owner.num_local_experts, owner.expert_alignment):
-        raise ValueError(
-            f"(num_experts, num_local_experts, expert_alignment)={settings} differ from "
-            f"Dispatcher {dispatcher}'s; call Dispatcher.dispatch"
+
+    def describe() -> Fingerprint:
+        _check_tensors(
+            "deepep::dispatcher_dispatch", x=x, topk_idx=topk_idx, topk_weights=topk_weights
         )
-    if x.shape[1] != owner.hidden:
-        raise ValueError(f"x has {x.shape[1]} columns but the Dispatcher's hidden={owner.hidden}")
+        _check_dispatch(x, topk_idx, topk_weights, num_experts, num_local_experts)
+        if settings != (owner.num_experts, owner.num_local_experts, owner.expert_alignment):
+            raise ValueError(
+                f"(num_experts, num_local_experts, expert_alignment)={settings} differ from "
+                f"Dispatcher {dispatcher}'s; call Dispatcher.dispatch"
+            )
+        if x.shape[1] != owner.hidden:
+            raise ValueError(
+                f"x has {x.shape[1]} columns but the Dispatcher's hidden={owner.hidden}"
+            )
+        _check_expert_ids(topk_idx, num_experts)
+        return Fingerprint({"settings": settings, "hidden": x.shape[1], "topk": topk_idx.shape[1]})
+
+    _checks("deepep::dispatcher_dispatch", owner.group, describe)
     recv_x, recv_idx, recv_weights, counts, layout = _route(
         owner.buffer, owner.topk_idx_dtype, x, topk_idx, topk_weights, num_experts,
         expert_alignment=expert_alignment,
@@ -414,6 +463,7 @@ def _dispatch(
 
 @_dispatch.register_fake
 def _(x, topk_idx, topk_weights, dispatcher, num_experts, num_local_experts, expert_alignment):
+    _check_tensors("deepep::dispatcher_dispatch", x=x, topk_idx=topk_idx, topk_weights=topk_weights)
     _check_dispatch(x, topk_idx, topk_weights, num_experts, num_local_experts)
     received = torch.library.get_ctx().new_dynamic_size()
     topk = topk_idx.shape[1]
@@ -508,21 +558,29 @@ _dispatch.register_autograd(_dispatch_grad, setup_context=_dispatch_setup)
 def _combine(
     x: torch.Tensor, handle: torch.Tensor, dispatcher: int, num_tokens: int
 ) -> torch.Tensor:
-    _check_token(handle)
-    _check_x("x", x)
     owner = _lookup(dispatcher)
-    entry = owner._resolve(handle)
-    _check_rows("x", x, entry.num_recv, owner.hidden)
-    if num_tokens != entry.num_tokens:
-        raise ValueError(
-            f"num_tokens={num_tokens} but the handle's dispatch sent {entry.num_tokens}"
-        )
-    combined, _, _ = owner.buffer.combine(x, entry.layout)
+    entries = []
+
+    def describe() -> Fingerprint:
+        _check_tensors("deepep::dispatcher_combine", x=x, handle=handle)
+        _check_token(handle)
+        _check_x("x", x)
+        entries.append(owner._resolve(handle))
+        _check_rows("x", x, entries[0].num_recv, owner.hidden)
+        if num_tokens != entries[0].num_tokens:
+            raise ValueError(
+                f"num_tokens={num_tokens} but the handle's dispatch sent {entries[0].num_tokens}"
+            )
+        return Fingerprint({"hidden": x.shape[1]})
+
+    _checks("deepep::dispatcher_combine", owner.group, describe)
+    combined, _, _ = owner.buffer.combine(x, entries[0].layout)
     return combined
 
 
 @_combine.register_fake
 def _(x, handle, dispatcher, num_tokens):
+    _check_tensors("deepep::dispatcher_combine", x=x, handle=handle)
     _check_token(handle)
     _check_x("x", x)
     return x.new_empty(num_tokens, x.shape[1])

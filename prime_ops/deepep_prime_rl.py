@@ -20,8 +20,9 @@ layout it names lives exactly as long as some tensor shares that tensor's storag
 output, the copy autograd saves, a checkpoint cache's copy) and is freed when the last one dies.
 Each dispatch gets a new id. :func:`live_handles` counts the live ones, for leak checks.
 
-What prime_ops adds: every check on the inputs runs before any communication (bad input raises on
-the rank that has it, before its peers enter a collective); ``backend="reference"`` runs the same
+What prime_ops adds: every check on the inputs runs before any communication (in the default mode
+bad input raises on the rank that has it, saying first that its peers may be waiting; in checked
+mode every rank raises, as in :mod:`prime_ops.deepep`); ``backend="reference"`` runs the same
 ops on any process group (gloo on CPU) through
 :class:`prime_ops.deepep_reference.ReferenceBuffer`; and the gradient of ``topk_weights`` is
 masked to the choices each rank received (DeepEP's combine sums every rank's returned weights, so
@@ -41,15 +42,19 @@ from prime_ops.backends import import_backend
 from prime_ops.deepep import (
     BUILD,
     _check_backend_and_group,
+    _check_expert_ids,
     _check_rows,
+    _check_tensors,
     _check_topk,
     _check_x,
+    _checks,
     _dense_grads,
     _route,
     _size_hints,
 )
 from prime_ops.deepep_reference import ReferenceBuffer
 from prime_ops.devices import check_same_device
+from prime_ops.groups import Fingerprint
 
 __all__ = ["create_buffer", "live_handles"]
 
@@ -80,17 +85,21 @@ def create_buffer(
     As prime-rl's ``_create_buffer``: sizes come from DeepEP's dispatch and combine size hints
     for ``hidden_bytes`` per token, and the buffer is replaced only when the group changes or a
     larger one is needed. Extra keyword arguments go to ``deep_ep.Buffer`` (prime-rl passes
-    ``num_qps_per_rank=Buffer.num_sms``). ``backend="reference"`` uses
+    ``num_qps_per_rank=Buffer.num_sms``; DeepEP 2.1 also takes ``low_latency_mode``,
+    ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``explicitly_destroy``,
+    ``enable_shrink``). The group must have a size DeepEP has configs for
+    (:data:`prime_ops.deepep.EP_SIZES`). ``backend="reference"`` uses
     :class:`~prime_ops.deepep_reference.ReferenceBuffer` (any group, CPU included). Create it
     before the first checkpointed forward: its construction is collective.
 
     Example (2 gloo ranks)::
 
         create_buffer(group, hidden_bytes=8 * 2, backend="reference")
+        # on GPUs, as prime-rl: create_buffer(group, hidden * 2, num_qps_per_rank=Buffer.num_sms)
         recv_x, recv_w, order, counts, handle_id = torch.ops.deepep.dispatch(x, idx, w, 4)
     """
     global _current
-    ranks = _check_backend_and_group(backend, group)
+    ranks = _check_backend_and_group(backend, group, op="create_buffer")
     if hidden_bytes <= 0 or hidden_bytes % 16:
         raise ValueError(
             f"hidden_bytes={hidden_bytes} must be a positive multiple of 16 (DeepEP moves rows "
@@ -202,8 +211,19 @@ def _dispatch(
     x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Send each token to the ranks of its experts (prime-rl's ``deepep::dispatch``)."""
-    local = _check_dispatch(x, topk_idx, topk_weights, num_experts)
+    op = "deepep::dispatch"
     state = _buffer()
+    local = []
+
+    def describe() -> Fingerprint:
+        _check_tensors(op, x=x, topk_idx=topk_idx, topk_weights=topk_weights)
+        local.append(_check_dispatch(x, topk_idx, topk_weights, num_experts))
+        _check_expert_ids(topk_idx, num_experts)
+        settings = {"num_experts": num_experts, "hidden": x.shape[1], "topk": topk_idx.shape[1]}
+        return Fingerprint(settings)
+
+    _checks(op, state.group, describe)
+    local = local[0]
     recv_x, recv_idx, recv_weights, counts, layout = _route(
         state.buffer, state.topk_idx_dtype, x, topk_idx, topk_weights, num_experts
     )
@@ -219,6 +239,7 @@ def _dispatch(
 
 @_dispatch.register_fake
 def _(x, topk_idx, topk_weights, num_experts):
+    _check_tensors("deepep::dispatch", x=x, topk_idx=topk_idx, topk_weights=topk_weights)
     local = _check_dispatch(x, topk_idx, topk_weights, num_experts)
     ctx = torch.library.get_ctx()
     received = ctx.new_dynamic_size()
@@ -295,6 +316,7 @@ _dispatch.register_autograd(_dispatch_grad, setup_context=_dispatch_setup)
 
 def _check_replay(name: str, t: torch.Tensor, handle_id: torch.Tensor) -> None:
     """What an op that replays a dispatch's layout on ``t`` checks in its kernel and its fake."""
+    _check_tensors("deepep::combine", **{name: t, "handle_id": handle_id})
     _check_handle_id(handle_id)
     _check_x(name, t)
 
@@ -302,15 +324,22 @@ def _check_replay(name: str, t: torch.Tensor, handle_id: torch.Tensor) -> None:
 @torch.library.custom_op("deepep::combine", mutates_args=())
 def _combine(x: torch.Tensor, handle_id: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """Sum each token's rows back on the rank that sent it (prime-rl's ``deepep::combine``)."""
-    _check_replay("x", x, handle_id)
-    handle = _lookup(handle_id)
-    _check_rows("x", x, handle.num_recv, None)
-    if num_tokens != handle.num_tokens:
-        raise ValueError(
-            f"num_tokens={num_tokens} but the handle's dispatch sent {handle.num_tokens} tokens "
-            "(pass the row count of dispatch's x)"
-        )
-    combined, _, _ = _buffer().buffer.combine(x, handle.layout)
+    state = _buffer()
+    handles = []
+
+    def describe() -> Fingerprint:
+        _check_replay("x", x, handle_id)
+        handles.append(_lookup(handle_id))
+        _check_rows("x", x, handles[0].num_recv, None)
+        if num_tokens != handles[0].num_tokens:
+            raise ValueError(
+                f"num_tokens={num_tokens} but the handle's dispatch sent {handles[0].num_tokens} "
+                "tokens (pass the row count of dispatch's x)"
+            )
+        return Fingerprint({"hidden": x.shape[1]})
+
+    _checks("deepep::combine", state.group, describe)
+    combined, _, _ = state.buffer.combine(x, handles[0].layout)
     return combined
 
 

@@ -82,6 +82,9 @@ class _Group:
     def size(self):
         return self.ranks
 
+    def rank(self):
+        return 0
+
 
 @pytest.fixture
 def backend(monkeypatch):
@@ -370,6 +373,64 @@ def test_bad_construction(backend):
     assert backend == []
 
 
+def test_group_sizes_deep_ep_has_no_config_for_are_refused_before_any_buffer(backend):
+    """DeepEP's configs cover 2, 4, ..., 160 ranks (``deep_ep/buffers/legacy.py``); 40, 56, 72
+    are multiples of 8 that main accepted and DeepEP's size hints then refused."""
+    from prime_ops import deepep_prime_rl
+
+    for ranks in (40, 56, 72, 80, 112, 192, 6, 12):
+        for make, kwargs in (
+            (deepep.Dispatcher, {"num_experts": ranks * 2, "hidden": HIDDEN}),
+            (deepep_prime_rl.create_buffer, {"hidden_bytes": HIDDEN * 2}),
+        ):
+            with pytest.raises(ValueError, match=f"the group has {ranks} rank") as info:
+                make(_Group(ranks), **kwargs)
+            assert "2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160 ranks only" in str(info.value)
+    assert backend == []
+    for ranks in deepep.EP_SIZES:
+        deepep.Dispatcher(_Group(ranks), num_experts=ranks, hidden=HIDDEN)
+    assert len(backend) == len(deepep.EP_SIZES)
+
+
+@pytest.mark.parametrize("group", ["WORLD", None, 0])
+def test_a_group_that_is_no_group_is_named(backend, group):
+    from prime_ops import deepep_prime_rl
+
+    with pytest.raises(TypeError, match="Dispatcher: group must be a torch.distributed.Process"):
+        deepep.Dispatcher(group, num_experts=4, hidden=HIDDEN)
+    with pytest.raises(TypeError, match="create_buffer: group must be a torch.distributed.Proc"):
+        deepep_prime_rl.create_buffer(group, HIDDEN * 2, backend="reference")
+    assert backend == []
+
+
+def test_none_for_a_tensor_is_named(backend, monkeypatch):
+    """A schema's Tensor lets None through to the kernel and the fake: both name the argument."""
+    from prime_ops import deepep_prime_rl
+
+    dispatcher = _dispatcher()
+    x, idx, weights = _inputs()
+    monkeypatch.setattr(deepep_prime_rl, "_current", None)
+    deepep_prime_rl.create_buffer(_Group(2), HIDDEN * 2, backend="reference")
+    key = dispatcher.key
+    handle_id = torch.tensor([1])
+    cases = [
+        (torch.ops.deepep.dispatch, (None, idx, weights, 4), "deepep::dispatch: x must be"),
+        (torch.ops.deepep.dispatch, (x, None, weights, 4), "dispatch: topk_idx must be a"),
+        (torch.ops.deepep.dispatch, (x, idx, None, 4), "dispatch: topk_weights must be a"),
+        (torch.ops.deepep.combine, (None, handle_id, 5), "deepep::combine: x must be a"),
+        (torch.ops.deepep.combine, (x, None, 5), "deepep::combine: handle_id must be a"),
+        (torch.ops.deepep.combine_backward, (x, None, 5), "combine: handle_id must be a"),
+        (torch.ops.deepep.dispatcher_dispatch, (None, idx, weights, key, 4, 2, 1), "x must be"),
+        (torch.ops.deepep.dispatcher_combine, (x, None, key, 5), "handle must be a tensor"),
+    ]
+    for op, args, match in cases:
+        with pytest.raises(TypeError, match=match):
+            op(*args)
+        with FakeTensorMode() as mode, pytest.raises(TypeError, match=match):
+            op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+    assert _names(backend) == ["Buffer"]
+
+
 def test_bad_dispatch_inputs(backend):
     dispatcher = _dispatcher()
     x, idx, weights = _inputs()
@@ -497,8 +558,54 @@ def _reference_body(rank, world):
     del d, out
     gc.collect()
     assert dispatcher.live_handles() == 0
-    if world == 2:  # one process start for both checks
+    if world == 2:  # one process start for these checks
         _opchecks(rank, world)
+        _fault_checks(rank, world)
+
+
+def _fault_checks(rank, world):
+    """One rank's bad call: in the default mode its error says first that the peers may wait
+    (every rank makes the same bad call here, so none waits); in checked mode a bad call on one
+    rank, or settings that differ across ranks, make every rank raise before any dispatch."""
+    from prime_ops import deepep_prime_rl
+    from prime_ops.groups import set_checked
+
+    group = torch.distributed.group.WORLD
+    dispatcher = deepep.Dispatcher(group, num_experts=4, hidden=HIDDEN, backend="reference")
+    deepep_prime_rl.create_buffer(group, HIDDEN * 2, backend="reference")
+    x, idx, weights, _ = _rank_inputs(rank, world, 4, 2)
+    out_of_range = idx.masked_fill(idx == 1, 9)
+    for op, call in (
+        ("deepep::dispatcher_dispatch", lambda i: dispatcher.dispatch(x, i, weights)),
+        ("deepep::dispatch", lambda i: torch.ops.deepep.dispatch(x, i, weights, 4)),
+    ):
+        with pytest.raises(ValueError, match="topk_idx values must lie") as info:
+            call(out_of_range)
+        message = str(info.value)
+        assert f"[{op} raised this on rank {rank} of 2" in message, message
+        assert "may be waiting" in message and "Checked mode catches it" in message
+    set_checked(True, group)
+    try:
+        for call in (
+            lambda i: dispatcher.dispatch(x, i, weights),
+            lambda i: torch.ops.deepep.dispatch(x, i, weights, 4),
+        ):
+            with pytest.raises(ValueError, match="rank 0 of the group rejected its call"):
+                call(out_of_range if rank == 0 else idx)
+        experts = 4 if rank == 0 else 8  # locally valid, different across ranks
+        with pytest.raises(ValueError, match="do not fit together: num_experts"):
+            torch.ops.deepep.dispatch(x, idx, weights, experts)
+        d = dispatcher.dispatch(x, idx, weights)
+        recv_x, _, _, _, handle_id = torch.ops.deepep.dispatch(x, idx, weights, 4)
+        with pytest.raises(ValueError, match="rank 1 of the group rejected its call"):
+            torch.ops.deepep.combine(recv_x, handle_id, x.shape[0] + (rank == 1))
+        with pytest.raises(ValueError, match="rank 0 of the group rejected its call"):
+            dispatcher.combine(d.x[1:] if rank == 0 else d.x, d)
+        torch.testing.assert_close(
+            torch.ops.deepep.combine(recv_x, handle_id, x.shape[0]), dispatcher.combine(d.x, d)
+        )
+    finally:
+        set_checked(False, group)
 
 
 @pytest.mark.slow
