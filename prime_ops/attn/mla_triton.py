@@ -50,6 +50,35 @@ def _select(ind_ptr, t, g, k0, stride_it, stride_ih, TOPK, S, BLOCK_K: tl.conste
 
 
 @triton.jit
+def _heads(g, G, BLOCK_H: tl.constexpr):
+    """The ``G`` query heads that read KV head ``g`` (padded to ``BLOCK_H``) and their mask."""
+    offs_h = tl.arange(0, BLOCK_H)
+    return g * G + offs_h, offs_h < G
+
+
+@triton.jit
+def _load_heads(ptr, t, head_q, hmask, offs_d, dmask, stride_t, stride_h):
+    """Channels ``offs_d`` of token ``t``'s heads ``head_q`` in q, out or dout
+    (``[BLOCK_H, BLOCK_D]``), zeros where masked."""
+    return tl.load(
+        ptr + t * stride_t + head_q[:, None] * stride_h + offs_d[None, :],
+        mask=hmask[:, None] & dmask[None, :],
+        other=0.0,
+    )
+
+
+@triton.jit
+def _load_rows(kv_ptr, rows, valid, g, offs_d, dmask, stride_ks, stride_kh):
+    """Channels ``offs_d`` of the selected KV rows of head ``g`` (``[BLOCK_K, BLOCK_D]``), zeros
+    for invalid slots."""
+    return tl.load(
+        kv_ptr + rows[:, None] * stride_ks + g * stride_kh + offs_d[None, :],
+        mask=valid[:, None] & dmask[None, :],
+        other=0.0,
+    )
+
+
+@triton.jit
 def _scores(
     q_ptr,
     kv_ptr,
@@ -75,16 +104,8 @@ def _scores(
     for d0 in range(0, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         dmask = offs_d < D
-        qb = tl.load(
-            q_ptr + t * stride_qt + head_q[:, None] * stride_qh + offs_d[None, :],
-            mask=hmask[:, None] & dmask[None, :],
-            other=0.0,
-        )
-        kb = tl.load(
-            kv_ptr + rows[:, None] * stride_ks + g * stride_kh + offs_d[None, :],
-            mask=valid[:, None] & dmask[None, :],
-            other=0.0,
-        )
+        qb = _load_heads(q_ptr, t, head_q, hmask, offs_d, dmask, stride_qt, stride_qh)
+        kb = _load_rows(kv_ptr, rows, valid, g, offs_d, dmask, stride_ks, stride_kh)
         acc += _dot(qb, tl.trans(kb), PRECISION, UPCAST)
     return acc
 
@@ -120,9 +141,7 @@ def _forward_kernel(
     t = tl.program_id(0)
     g = tl.program_id(1)
     vc = tl.program_id(2)
-    offs_h = tl.arange(0, BLOCK_H)
-    hmask = offs_h < G
-    head_q = g * G + offs_h
+    head_q, hmask = _heads(g, G, BLOCK_H)
 
     # Pass 1: running max and sum -> natural-log lse.
     m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -152,11 +171,7 @@ def _forward_kernel(
             stride_ks, stride_kh, D, PRECISION, UPCAST, BLOCK_H, BLOCK_K, BLOCK_D,
         )  # fmt: skip
         p = tl.where(valid[None, :], tl.exp(s * scale - lse_safe[:, None]), 0.0)
-        v = tl.load(
-            kv_ptr + rows[:, None] * stride_ks + g * stride_kh + offs_dv[None, :],
-            mask=valid[:, None] & dvmask[None, :],
-            other=0.0,
-        )
+        v = _load_rows(kv_ptr, rows, valid, g, offs_dv, dvmask, stride_ks, stride_kh)
         acc += _dot(p.to(v.dtype), v, PRECISION, UPCAST)
     tl.store(
         out_ptr + t * stride_ot + head_q[:, None] * stride_oh + offs_dv[None, :],
@@ -200,9 +215,7 @@ def _backward_kernel(
     t = tl.program_id(0)
     g = tl.program_id(1)
     hq = G * tl.num_programs(1)
-    offs_h = tl.arange(0, BLOCK_H)
-    hmask = offs_h < G
-    head_q = g * G + offs_h
+    head_q, hmask = _heads(g, G, BLOCK_H)
     lse = tl.load(lse_ptr + t * hq + head_q, mask=hmask, other=0.0)
     lse = tl.where(lse == float("-inf"), 0.0, lse)
     delta = tl.load(delta_ptr + t * hq + head_q, mask=hmask, other=0.0)
@@ -220,16 +233,8 @@ def _backward_kernel(
         for d0 in range(0, DV, BLOCK_D):
             offs_d = d0 + tl.arange(0, BLOCK_D)
             dmask = offs_d < DV
-            do = tl.load(
-                dout_ptr + t * stride_ot + head_q[:, None] * stride_oh + offs_d[None, :],
-                mask=hmask[:, None] & dmask[None, :],
-                other=0.0,
-            )
-            v = tl.load(
-                kv_ptr + rows[:, None] * stride_ks + g * stride_kh + offs_d[None, :],
-                mask=valid[:, None] & dmask[None, :],
-                other=0.0,
-            )
+            do = _load_heads(dout_ptr, t, head_q, hmask, offs_d, dmask, stride_ot, stride_oh)
+            v = _load_rows(kv_ptr, rows, valid, g, offs_d, dmask, stride_ks, stride_kh)
             dp += _dot(do, tl.trans(v), PRECISION, UPCAST)
         ds = p * (dp - delta[:, None]) * scale
         ds_lp = ds.to(dtype)
@@ -237,25 +242,16 @@ def _backward_kernel(
         for d0 in range(0, D, BLOCK_D):
             offs_d = d0 + tl.arange(0, BLOCK_D)
             dmask = offs_d < D
-            k = tl.load(
-                kv_ptr + rows[:, None] * stride_ks + g * stride_kh + offs_d[None, :],
-                mask=valid[:, None] & dmask[None, :],
-                other=0.0,
-            )
+            k = _load_rows(kv_ptr, rows, valid, g, offs_d, dmask, stride_ks, stride_kh)
+            qb = _load_heads(q_ptr, t, head_q, hmask, offs_d, dmask, stride_qt, stride_qh)
             qmask = hmask[:, None] & dmask[None, :]
-            q_offs = t * stride_qt + head_q[:, None] * stride_qh + offs_d[None, :]
-            qb = tl.load(q_ptr + q_offs, mask=qmask, other=0.0)
             # dq rows belong to this program alone: a plain read-modify-write.
             dq_offs = (t * hq + head_q[:, None]) * D + offs_d[None, :]
             dq = tl.load(dq_ptr + dq_offs, mask=qmask, other=0.0)
             dq += _dot(ds_lp, k, PRECISION, UPCAST)
             tl.store(dq_ptr + dq_offs, dq, mask=qmask)
             dk = _dot(tl.trans(ds_lp), qb, PRECISION, UPCAST)
-            do = tl.load(
-                dout_ptr + t * stride_ot + head_q[:, None] * stride_oh + offs_d[None, :],
-                mask=hmask[:, None] & (offs_d < DV)[None, :],
-                other=0.0,
-            )
+            do = _load_heads(dout_ptr, t, head_q, hmask, offs_d, offs_d < DV, stride_ot, stride_oh)
             dk += _dot(tl.trans(p_lp), do, PRECISION, UPCAST)
             tl.atomic_add(
                 dkv_ptr + (rows[:, None] * tl.num_programs(1) + g) * D + offs_d[None, :],
@@ -264,38 +260,42 @@ def _backward_kernel(
             )
 
 
-def _blocks(heads_per_kv: int, d_v: int) -> tuple[int, int]:
-    block_h = max(16, triton.next_power_of_2(heads_per_kv))
-    return block_h, min(BLOCK_D, max(16, triton.next_power_of_2(d_v)))
-
-
-def _precision(x: Tensor) -> dict:
-    # fp32 inputs multiply in full fp32 (TF32 would lose precision the reference keeps).
-    return {
-        "PRECISION": "ieee" if x.dtype == torch.float32 else "tf32",
-        "UPCAST": x.device.type == "cpu" and x.dtype == torch.bfloat16,
+def _launch(
+    q: Tensor, kv: Tensor, indices: Tensor, o: Tensor, softmax_scale: float, d_v: int
+) -> tuple[tuple, dict]:
+    """What both kernels take after their pointers: the strides of q, kv, the indices and the
+    output (``out``, or ``dout`` for the backward), the sizes and the scale; and their
+    compile-time constants."""
+    (_, hq, d), (s, hkv, _) = q.shape, kv.shape
+    args = (
+        q.stride(0), q.stride(1), kv.stride(0), kv.stride(1),
+        indices.stride(0), indices.stride(1), o.stride(0), o.stride(1),
+        s, indices.shape[2], hq // hkv, d, d_v, softmax_scale,
+    )  # fmt: skip
+    constants = {
+        # fp32 inputs multiply in full fp32 (TF32 would lose precision the reference keeps)
+        "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
+        "UPCAST": q.device.type == "cpu" and q.dtype == torch.bfloat16,
+        "BLOCK_H": max(16, triton.next_power_of_2(hq // hkv)),
+        "BLOCK_K": BLOCK_K,
+        "BLOCK_D": BLOCK_D,
     }
+    return args, constants
 
 
 def forward(
     q: Tensor, kv: Tensor, indices: Tensor, softmax_scale: float, d_v: int
 ) -> tuple[Tensor, Tensor]:
     q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()
-    (t, hq, d), (s, hkv, _) = q.shape, kv.shape
+    t, hq = q.shape[:2]
     out = q.new_empty(t, hq, d_v)
     lse = q.new_empty(t, hq, dtype=torch.float32)
     if t == 0:
         return out, lse
-    block_h, block_dv = _blocks(hq // hkv, d_v)
-    grid = (t, hkv, triton.cdiv(d_v, block_dv))
-    _forward_kernel[grid](
-        q, kv, indices, out, lse,
-        q.stride(0), q.stride(1), kv.stride(0), kv.stride(1),
-        indices.stride(0), indices.stride(1), out.stride(0), out.stride(1),
-        s, indices.shape[2], hq // hkv, d, d_v, softmax_scale,
-        **_precision(q), BLOCK_H=block_h, BLOCK_K=BLOCK_K, BLOCK_D=BLOCK_D,
-        BLOCK_DV=block_dv,
-    )  # fmt: skip
+    args, constants = _launch(q, kv, indices, out, softmax_scale, d_v)
+    block_dv = min(BLOCK_D, max(16, triton.next_power_of_2(d_v)))
+    grid = (t, kv.shape[1], triton.cdiv(d_v, block_dv))
+    _forward_kernel[grid](q, kv, indices, out, lse, *args, **constants, BLOCK_DV=block_dv)
     return out, lse
 
 
@@ -311,17 +311,11 @@ def backward(
 ) -> tuple[Tensor, Tensor]:
     q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()
     dout, lse = dout.contiguous(), lse.contiguous()
-    (t, hq, d), (s, hkv, _) = q.shape, kv.shape
     delta = (out.float() * dout.float()).sum(-1).contiguous()
+    (t, hq, d), (s, hkv, _) = q.shape, kv.shape
     dq = torch.zeros(t, hq, d, dtype=torch.float32, device=q.device)
     dkv = torch.zeros(s, hkv, d, dtype=torch.float32, device=kv.device)
     if t > 0:
-        block_h, _ = _blocks(hq // hkv, d_v)
-        _backward_kernel[(t, hkv)](
-            q, kv, indices, dout, lse, delta, dq, dkv,
-            q.stride(0), q.stride(1), kv.stride(0), kv.stride(1),
-            indices.stride(0), indices.stride(1), dout.stride(0), dout.stride(1),
-            s, indices.shape[2], hq // hkv, d, d_v, softmax_scale,
-            **_precision(q), BLOCK_H=block_h, BLOCK_K=BLOCK_K, BLOCK_D=BLOCK_D,
-        )  # fmt: skip
+        args, constants = _launch(q, kv, indices, dout, softmax_scale, d_v)
+        _backward_kernel[(t, hkv)](q, kv, indices, dout, lse, delta, dq, dkv, *args, **constants)
     return dq.to(q.dtype), dkv.to(kv.dtype)
