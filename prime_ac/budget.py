@@ -15,6 +15,11 @@ blocks' frontiers are combined, and the combination saving the most FLOPs within
 bytes, less what the model holds whatever the blocks keep (their inputs, activations outside
 the blocks), is chosen.
 
+A string with a unit (``"24GiB"``) is the step's peak activation memory: every call becomes a
+:class:`prime_ac.planner.Call` (its bytes; its replay time, FLOPs over ``FLOP_RATE``) and the
+peak planner chooses keep, offload or replay per call (:mod:`prime_ac.planner`); the offloaded
+results of all blocks share one :class:`prime_ac.offload.Offloader`.
+
 Chosen calls are identified as the same operator overload at the same position in the block's
 forward (the way checkpoint replay itself is keyed). Because the solution is exact, a larger
 budget never replays more (estimated) FLOPs, and any rule that keeps calls within the same
@@ -31,15 +36,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from prime_ac._compat import schema_is_mutable
+from prime_ac import planner
+from prime_ac._compat import returns_alias, schema_is_mutable
 from prime_ac.audit import audit, op_name
 from prime_ac.contexts import checkpoint_contexts
 from prime_ac.modes import Rules
+from prime_ac.offload import Offloader
 from prime_ac.policy import OperatorPolicy
 from prime_ac.scopes import ScopeRules, split_targets
 from prime_ac.targets import Target, TargetSet
 
 __all__ = [
+    "FLOP_RATE",
     "BlockPlan",
     "budget_context_fn",
     "choose_calls",
@@ -60,6 +68,10 @@ class BlockPlan:
     # (submodule path, operator, "kept" / "replayed" / "mandatory") of every profiled call
     calls: tuple[tuple[str, str, str], ...] = field(default=(), repr=False, compare=False)
     checkpointed: bool = True  # False: the block runs without checkpointing
+    # a peak budget: the calls whose kept results go to host memory, and who moves them
+    offloaded: tuple[tuple[str, int], ...] = ()
+    offloader: Any = field(default=None, repr=False, compare=False)
+    peak: Any = field(default=None, repr=False, compare=False)  # the planner's whole-step Plan
 
     def as_targets(self) -> list[str]:
         """Scoped targets that keep exactly the calls this plan keeps, for a config file.
@@ -247,19 +259,33 @@ def _plan_whole_model(blocks: list[_Block], capacity: int) -> dict[str, BlockPla
 
 
 def budget_context_fn(
-    policy: OperatorPolicy, kept: frozenset[tuple[Any, int]], name: str
+    policy: OperatorPolicy,
+    kept: frozenset[tuple[Any, int]],
+    name: str,
+    offloaded: frozenset[tuple[Any, int]] = frozenset(),
+    offloader: Offloader | None = None,
 ) -> Callable[[], tuple[Any, Any]]:
-    """Checkpoint contexts keeping the planned calls on top of ``policy`` (full mode).
+    """Checkpoint contexts keeping the planned calls on top of ``policy`` (full mode), and
+    handing the ``offloaded`` ones (planned or mandatory) to ``offloader``.
 
     A planned call is named by its operator overload and its index among that overload's calls
     in the block's forward; the recompute counts the same calls, so it finds them again.
     """
     plan: dict[Any, set[int]] = defaultdict(set)
-    for op, index in kept:
+    for op, index in kept | offloaded:
         plan[op].add(index)
-    return checkpoint_contexts(
+    contexts = checkpoint_contexts(
         Rules(policy, {op: frozenset(indices) for op, indices in plan.items()}), name
     )
+    if offloader is None or not offloaded:
+        return contexts
+
+    def offloading_contexts() -> tuple[Any, Any]:
+        forward, recompute = contexts()
+        forward.store.offloader, forward.store.offload_calls = offloader, offloaded
+        return forward, recompute
+
+    return offloading_contexts
 
 
 def plan_budget(
@@ -272,6 +298,8 @@ def plan_budget(
     report = audit(model, profile)
     calls = {name: report.calls.get(name, []) for name in report.blocks}
     no_ac = report.block_held_bytes_no_ac
+    if isinstance(budget, str):
+        return plan_peak(report, planner.parse_bytes(budget))
     if isinstance(budget, float):
         held = {
             name: sum(c.bytes for c in calls[name] if c.decision == "mandatory")
@@ -286,3 +314,87 @@ def plan_budget(
         name: plan_block(name, calls[name], _block_bytes(budget, name), no_ac.get(name))
         for name in report.blocks
     }
+
+
+# Replay time of a call whose time was not measured: its FLOPs at this rate (1e12 FLOP/s, a
+# stated guess between a CPU core's and a GPU's; only the ratio to the copy bandwidth matters).
+FLOP_RATE = 1e12
+
+
+def profiles(report: Any) -> list[planner.BlockProfile]:
+    """The audit's profiled calls as the peak planner's blocks (ranks agreeing on one).
+
+    What the model holds whatever its blocks keep (their inputs, activations outside the
+    blocks) is spread over the blocks' inputs.
+    """
+    mandatory = sum(
+        c.bytes
+        for name in report.blocks
+        for c in report.calls.get(name, [])
+        if c.decision == "mandatory"
+    )
+    base = max(report.held_bytes - mandatory, 0) // max(len(report.blocks), 1)
+    blocks = []
+    for name in report.blocks:
+        calls = []
+        for c in report.calls.get(name, []):
+            if c.decision == "mandatory":
+                kind = "mandatory"
+            elif returns_alias(c.op) or schema_is_mutable(c.op):
+                kind = "view"
+            else:
+                kind = "plain"
+            # a call the recompute never reaches saves nothing when kept
+            seconds = c.flops / FLOP_RATE if c.replayed and kind != "view" else 0.0
+            calls.append(planner.Call(op_name(c.op), c.index, c.bytes, seconds, kind))
+        blocks.append(planner.BlockProfile(name, tuple(calls), base))
+    return planner.agree(blocks)
+
+
+def plan_peak(report: Any, budget: int, host_cap: int | None = None) -> dict[str, BlockPlan]:
+    """Plans for every block of ``report`` meeting a peak of ``budget`` bytes (keep / offload /
+    replay per call), sharing one offloader."""
+    peak = planner.plan(profiles(report), budget, host_cap=host_cap)
+    offloader = (
+        Offloader(peak.simulation.host_bytes, host_cap=host_cap)
+        if peak.simulation.host_bytes
+        else None
+    )
+    plans = {}
+    for i, name in enumerate(report.blocks):
+        records = report.calls.get(name, [])
+        chosen = peak.decisions[i]
+        kept = tuple(
+            (c.op, c.index)
+            for c, d in zip(records, chosen, strict=True)
+            if d == planner.KEEP and c.decision != "mandatory"
+        )
+        offloaded = tuple(
+            (c.op, c.index) for c, d in zip(records, chosen, strict=True) if d == planner.OFFLOAD
+        )
+        labels = {planner.KEEP: "kept", planner.OFFLOAD: "offloaded", planner.REPLAY: "replayed"}
+        plans[name] = BlockPlan(
+            block=name,
+            budget_bytes=budget,
+            kept=kept,
+            kept_bytes=sum(
+                c.bytes for c, d in zip(records, chosen, strict=True) if d == planner.KEEP
+            ),
+            replayed_flops=sum(
+                c.flops
+                for c, d in zip(records, chosen, strict=True)
+                if d == planner.REPLAY and c.replayed
+            ),
+            calls=tuple(
+                (
+                    c.scope,
+                    op_name(c.op),
+                    "mandatory" if c.decision == "mandatory" and d == planner.KEEP else labels[d],
+                )
+                for c, d in zip(records, chosen, strict=True)
+            ),
+            offloaded=offloaded,
+            offloader=offloader,
+            peak=peak,
+        )
+    return plans

@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from prime_ac import tables
+from prime_ac.planner import parse_bytes
 from prime_ac.policy import MODES
 from prime_ac.scopes import parse_target
 
@@ -54,7 +55,7 @@ class ACConfig:
     mode: str = "full"
     freq: int = 1
     targets: tuple[str, ...] | str | None = None
-    budget: int | float | Mapping[str, int] | None = None
+    budget: int | float | str | Mapping[str, int] | None = None
     early_stop: bool = True
     determinism_check: str = "default"
     layer_modes: tuple[str | tuple[str, str], ...] | None = None
@@ -215,10 +216,14 @@ def check_budget(budget: Any) -> None:
                     f"budget[{block!r}]={value!r}: per-block budgets are bytes (int >= 0)"
                 )
         return
+    if isinstance(budget, str):  # the step's peak activation memory, "24GiB" (prime_ac.planner)
+        parse_bytes(budget)
+        return
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget < 0:
         raise ValueError(
             f"budget={budget!r} must be bytes per block (int >= 0), a fraction of the whole "
-            "model's no-AC activation memory (float in [0, 1]), or a {block name: bytes} mapping"
+            "model's no-AC activation memory (float in [0, 1]), a {block name: bytes} mapping, "
+            "or the step's peak activation memory as a string with a unit ('24GiB')"
         )
     if isinstance(budget, float) and not (math.isfinite(budget) and budget <= 1):
         raise ValueError(f"budget={budget!r}: a fraction must lie in [0, 1]; bytes are an int")

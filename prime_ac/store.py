@@ -103,6 +103,8 @@ class RegionStore:
         "held",
         "hits",
         "name",
+        "offload_calls",
+        "offloader",
         "replay_calls",
         "stored",
     )
@@ -114,6 +116,10 @@ class RegionStore:
         self.replay_calls: dict[Any, int] = {}
         self.held: dict[int, list[tuple[Any, int]]] = {}
         self.stored = self.hits = self.copies = self.copied_bytes = 0
+        # offload (prime_ac.offload): the (operator, call index) whose kept results go to host
+        # memory, and the model's offloader moving them
+        self.offloader: Any = None
+        self.offload_calls: frozenset = frozenset()
 
     def keeps(self) -> bool:
         """Whether the forward kept anything (else the recompute runs with no mode at all)."""
@@ -135,6 +141,8 @@ class RegionStore:
             entries = self.entries[op] = {}
         entries[index] = kept
         self.stored += 1
+        if self.offloader is not None and (op, index) in self.offload_calls:
+            self.offloader.offload(self, kept)  # False: it stays kept (host buffer full)
         for t in kept.tensors:
             if isinstance(t, torch.Tensor):
                 self._hold(t, op, index)
@@ -200,12 +208,16 @@ class RegionStore:
 
     def forward_done(self) -> None:
         self.held = {}  # only writes inside the forward are copied
+        if self.offloader is not None:
+            self.offloader.forward_done(self)
 
     # --- recompute ----------------------------------------------------------------------------
 
     def start_recompute(self) -> None:
         # a second backward finds consumed entries, not shifted indices
         self.replay_calls = {}
+        if self.offloader is not None:
+            self.offloader.bring_back(self)
 
     def take(self, op: Any, args: tuple, kwargs: dict) -> Any:
         """The kept result for this recompute call of ``op``, or NotImplemented when the call

@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).parents[1] / "prime_ac"
 
 # Each module may import only modules of a lower layer (the entry points sit on top).
 LAYERS = [
-    {"_compat", "models", "tables"},
+    {"_compat", "models", "tables", "planner", "offload"},
     {"targets", "actions", "store"},
     {"scopes"},
     {"policy"},

@@ -1,0 +1,291 @@
+"""Offload: the third action beside keep and replay, a kept result held in host memory.
+
+A region's store (:class:`prime_ac.store.RegionStore`) hands a kept result to the
+:class:`Offloader` when the plan offloads that call. On CUDA its tensors are copied into one
+pinned host buffer on a side stream after the operator, the device tensors are dropped once the
+copy's event completes (and at the latest when the next block's forward ends, which waits for
+them), and they are copied back ahead of the block's recompute: when a block's recompute
+starts, the block before it (the next to recompute) is prefetched, up to ``prefetch_bytes``.
+
+The hazards the field reports, and what is done about each:
+
+- stream races (NaN gradients): the copy stream waits for the compute stream before reading;
+  the compute stream waits for every copy in flight before a write to a kept storage (copy on
+  write) and for a result's inbound copy before the recompute uses it; a device tensor is held
+  until its outbound copy is done, so the allocator cannot hand its memory out under the copy;
+- pinned-allocation stalls (``cudaHostAlloc`` per tensor): one buffer, allocated once at the
+  size the plan asks for, never grown; a result that does not fit stays kept on the device
+  (``overflowed`` counts them) rather than waiting for room;
+- host memory running out: the buffer is capped at ``host_cap`` bytes.
+
+On CPU the "host" copy is a separate CPU tensor made at once, and :class:`Ledger` counts the
+device bytes (kept results still in the store) and host bytes apart, so the tests check the
+accounting and the gradients where no GPU exists.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Ledger", "Offloader"]
+
+
+@dataclass
+class Ledger:
+    """Bytes of offloaded results: still on the device (copy in flight), on the host, and the
+    most each reached."""
+
+    device: int = 0
+    host: int = 0
+    peak_device: int = 0
+    peak_host: int = 0
+    offloaded: int = 0  # results offloaded
+    overflowed: int = 0  # results that stayed kept because the host buffer was full
+
+    def add(self, device: int = 0, host: int = 0) -> None:
+        self.device += device
+        self.host += host
+        self.peak_device = max(self.peak_device, self.device)
+        self.peak_host = max(self.peak_host, self.host)
+
+
+def _offloadable(t: Any) -> bool:
+    """A tensor that owns its whole storage: views (and tensors of a larger base) are never
+    offloaded, since dropping them frees nothing; nor are parameters and tensors that need
+    grad."""
+    return (
+        isinstance(t, torch.Tensor)
+        and not isinstance(t, torch.nn.Parameter)
+        and not t.requires_grad
+        and t.is_contiguous()
+        and t.storage_offset() == 0
+        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        and t.device.type in ("cpu", "cuda")
+    )
+
+
+class _Entry:
+    """One offloaded result: the store entry, its host tensors and the events of its copies."""
+
+    __slots__ = ("back", "device", "host", "kept", "nbytes", "out_event")
+
+    def __init__(self, kept: Any, host: list, device: list, nbytes: int, event: Any):
+        self.kept, self.host, self.device, self.nbytes = kept, host, device, nbytes
+        self.out_event, self.back = event, None
+
+
+class Offloader:
+    """Moves the offloaded results of every region of one model to host memory and back.
+
+    ``capacity`` is the host bytes the plan offloads (the pinned buffer's size on CUDA, at most
+    ``host_cap``); ``prefetch_bytes`` bounds what is brought back ahead of a block's recompute
+    (None: the whole next block); ``max_inflight`` bounds the outbound copies in flight
+    (prime-rl's ``max_inflight_activations``; None: no bound). ``pin_memory=False`` uses
+    pageable host memory (the copies then block the host).
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        host_cap: int | None = None,
+        prefetch_bytes: int | None = None,
+        max_inflight: int | None = None,
+        pin_memory: bool = True,
+    ):
+        for name, value in (
+            ("capacity", capacity),
+            ("host_cap", host_cap),
+            ("prefetch_bytes", prefetch_bytes),
+            ("max_inflight", max_inflight),
+        ):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 0
+            ):
+                raise ValueError(f"{name}={value!r} must be an int >= 0 (or None)")
+        self.capacity = capacity if host_cap is None else min(capacity, host_cap)
+        self.prefetch_bytes, self.max_inflight = prefetch_bytes, max_inflight
+        self.pin_memory = pin_memory
+        self.ledger = Ledger()
+        self.buffer: torch.Tensor | None = None  # CUDA: the one pinned buffer
+        self.buffer_allocations = 0
+        self._offset = 0  # bump pointer into the buffer; reset when nothing is out
+        self._stream: Any = None
+        self._inflight: deque[tuple[Any, _Entry]] = deque()  # (store, entry) copies not done
+        self._order: list[weakref.ref] = []  # stores holding offloaded results, forward order
+        self._entries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    # --- forward ------------------------------------------------------------------------------
+
+    def offload(self, store: Any, kept: Any) -> bool:
+        """Start moving one kept result to the host; False (it stays kept) when it cannot."""
+        leaves = [t for t in kept.tensors if isinstance(t, torch.Tensor)]
+        if not leaves or not all(_offloadable(t) for t in leaves):
+            return False
+        if len({t.untyped_storage().data_ptr() for t in leaves}) != len(leaves):
+            return False  # leaves sharing a storage: copy on write keeps them one storage
+        nbytes = sum(t.untyped_storage().nbytes() for t in leaves)
+        cuda = leaves[0].device.type == "cuda"
+        if self.ledger.host + nbytes > self.capacity or (cuda and not self._room(nbytes)):
+            self.ledger.overflowed += 1
+            return False
+        if cuda:
+            entry = self._copy_out(kept, leaves, nbytes)
+        else:  # the "host" copy is a separate CPU tensor, made now
+            host = [t.clone() for t in leaves]
+            entry = _Entry(kept, host, [], nbytes, None)
+            self._swap(kept, host)
+        self._register(store, entry)
+        self.ledger.offloaded += 1
+        self.ledger.add(host=nbytes, device=nbytes if cuda else 0)
+        self._poll()
+        return True
+
+    def _room(self, nbytes: int) -> bool:
+        if self.buffer is None:
+            self.buffer = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=self.pin_memory)
+            self.buffer_allocations += 1
+        return self._offset + nbytes <= self.buffer.numel()
+
+    def _copy_out(self, kept: Any, leaves: list[torch.Tensor], nbytes: int) -> _Entry:
+        stream = self._side_stream(leaves[0].device)
+        stream.wait_stream(torch.cuda.current_stream(leaves[0].device))
+        host = []
+        with torch.cuda.stream(stream):
+            for t in leaves:
+                size = t.untyped_storage().nbytes()
+                dest = self.buffer[self._offset : self._offset + size].view(t.dtype).view(t.shape)
+                self._offset += size
+                dest.copy_(t, non_blocking=True)
+                host.append(dest)
+            event = torch.cuda.Event()
+            event.record(stream)
+        entry = _Entry(kept, host, leaves, nbytes, event)
+        if self.max_inflight is not None:
+            while len(self._inflight) >= max(self.max_inflight, 1):
+                self._finish(*self._inflight.popleft(), wait=True)
+        return entry
+
+    def _register(self, store: Any, entry: _Entry) -> None:
+        entries = self._entries.get(store)
+        if entries is None:
+            entries = self._entries[store] = []
+            self._order = [r for r in self._order if r() is not None]
+            self._order.append(weakref.ref(store))
+        entries.append(entry)
+        if entry.out_event is not None:
+            self._inflight.append((store, entry))
+
+    def _poll(self) -> None:
+        """Drop the device tensors of the copies that are done."""
+        while self._inflight and self._inflight[0][1].out_event.query():
+            self._finish(*self._inflight.popleft(), wait=False)
+
+    def _finish(self, store: Any, entry: _Entry, wait: bool) -> None:
+        if wait:
+            entry.out_event.synchronize()
+        # a write the store could not see (after the block returned) between the keep and the
+        # copy's end: the value the backward needs may be gone, as for a kept result
+        self._swap(entry.kept, entry.host)
+        entry.device = []
+        self.ledger.add(device=-entry.nbytes)
+
+    def _swap(self, kept: Any, host: list) -> None:
+        """The store's entry now holds the host tensors. A device tensor written since it was
+        kept (where no copy on write saw it) marks the entry mutated (version -1), so the
+        recompute raises as it does for a kept result."""
+        it = iter(host)
+        for i, t in enumerate(kept.tensors):
+            if isinstance(t, torch.Tensor):
+                h = next(it)
+                changed = t._version != kept.versions[i]
+                kept.tensors[i] = h
+                kept.versions[i] = -1 if changed else h._version
+
+    def before_write(self) -> None:
+        """The compute stream waits for every copy in flight (a write must not race a read)."""
+        for _, entry in self._inflight:
+            torch.cuda.current_stream(entry.device[0].device).wait_event(entry.out_event)
+
+    def forward_done(self, store: Any) -> None:
+        """A block's forward ended: the copies of the blocks before it must be done now (the
+        planner's bound on held bytes)."""
+        self._poll()
+        while self._inflight and self._inflight[0][0] is not store:
+            self._finish(*self._inflight.popleft(), wait=True)
+
+    # --- backward -----------------------------------------------------------------------------
+
+    def bring_back(self, store: Any) -> None:
+        """Before ``store``'s recompute: its results on the device, the next block's under way."""
+        entries = self._entries.pop(store, None)
+        if entries is None:
+            return
+        position = next((k for k, r in enumerate(self._order) if r() is store), None)
+        for _, entry in list(self._inflight):
+            if entry in entries:
+                self._inflight.remove((store, entry))
+                self._finish(store, entry, wait=True)
+        for entry in entries:
+            self._copy_in(entry)
+            if entry.back is not None:
+                torch.cuda.current_stream(entry.back[0].device).wait_event(entry.back[1])
+                self._swap_back(entry, entry.back[0])
+        if position is not None:
+            del self._order[position]
+            if position > 0:
+                self._prefetch(self._order[position - 1]())
+        if not self._entries:
+            self._offset = 0  # the step's results are all back: the buffer is free again
+
+    def _prefetch(self, store: Any) -> None:
+        budget = self.prefetch_bytes
+        for entry in self._entries.get(store, []) if store is not None else []:
+            if budget is not None and entry.nbytes > budget:
+                break
+            if self._copy_in(entry) and budget is not None:
+                budget -= entry.nbytes
+
+    def _copy_in(self, entry: _Entry) -> bool:
+        """Start the inbound copy (CUDA); on CPU bring the copy back now. True if it started."""
+        if entry.back is not None or not entry.host:
+            return False
+        if entry.out_event is None:  # CPU
+            self._swap_back(entry, [h.clone() for h in entry.host])
+            return False
+        device = torch.device("cuda", torch.cuda.current_device())
+        compute = torch.cuda.current_stream(device)
+        dev = [torch.empty_like(h, device=device) for h in entry.host]  # on the compute stream
+        stream = self._side_stream(device)
+        stream.wait_stream(compute)
+        with torch.cuda.stream(stream):
+            for d, h in zip(dev, entry.host, strict=True):
+                d.copy_(h, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        entry.back = (dev, event)
+        return True
+
+    def _swap_back(self, entry: _Entry, device: list) -> None:
+        if not device:
+            return
+        kept = entry.kept
+        it = iter(device)
+        for i, t in enumerate(kept.tensors):
+            if isinstance(t, torch.Tensor):
+                d = next(it)
+                kept.tensors[i] = d
+                if kept.versions[i] != -1:
+                    kept.versions[i] = d._version
+        self.ledger.add(host=-entry.nbytes)
+        entry.host, entry.back = [], None
+
+    def _side_stream(self, device: torch.device) -> Any:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        return self._stream

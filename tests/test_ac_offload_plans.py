@@ -1,0 +1,144 @@
+"""Offload as a third action (prime_ac.offload): random keep / offload / replay mixes give the
+gradients of no AC bitwise on CPU, and the ledger counts device and host bytes apart."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import random
+
+import pytest
+import torch
+from torch import nn
+
+import prime_ac
+from prime_ac.budget import budget_context_fn
+from prime_ac.offload import Offloader
+from prime_ac.wrapping import checkpoint_state, wrap_block
+from tests.ac_models import assert_bitwise_equal, grads
+
+DIM = 16
+
+
+class MixedBlock(nn.Module):
+    """Views, in-place writes, dropout and MoE-like routing in one block."""
+
+    def __init__(self, experts: int = 3):
+        super().__init__()
+        self.up = nn.Linear(DIM, 2 * DIM)
+        self.down = nn.Linear(DIM, DIM)
+        self.router = nn.Linear(DIM, experts)
+        self.experts = nn.Parameter(torch.randn(experts, DIM, DIM) / DIM**0.5)
+
+    def forward(self, x):
+        h = self.up(x)
+        a, b = h.chunk(2, dim=-1)  # views of one result
+        g = torch.sigmoid(a) * b
+        g.mul_(2.0)  # in place on a result some plans keep
+        g = nn.functional.dropout(g, 0.2, self.training)
+        flat = g.reshape(-1, DIM)
+        probs = self.router(flat).softmax(-1)
+        choice = probs.argmax(-1)  # routing
+        routed = torch.zeros_like(flat)
+        for e in range(self.experts.shape[0]):
+            rows = (choice == e).nonzero().squeeze(-1)
+            weight = probs.index_select(0, rows)[:, e : e + 1]
+            routed.index_add_(0, rows, weight * (flat.index_select(0, rows) @ self.experts[e]))
+        return x + self.down(routed.reshape_as(x)).tanh()
+
+
+class Model(nn.Module):
+    def __init__(self, blocks: int = 3):
+        super().__init__()
+        self.layers = nn.ModuleList(MixedBlock() for _ in range(blocks))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+def _step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    torch.manual_seed(7)  # the same dropout masks in every run
+    return model(x)
+
+
+@pytest.fixture(scope="module")
+def base():
+    torch.manual_seed(0)
+    model = Model()
+    x = torch.randn(2, 5, DIM)
+    reference = copy.deepcopy(model)
+    _step(reference, x).backward()
+    return model, x, grads(reference)
+
+
+def _apply_random_plan(model, x, rng: random.Random, offloader: Offloader) -> tuple[int, int]:
+    """Keep, offload or replay each call at random (mandatory ones: keep or offload)."""
+    prime_ac.checkpoint_blocks(model, mode="full")
+    report = prime_ac.audit(model, lambda m: _step(m, x))
+    offloaded_calls = kept_calls = 0
+    for name in report.blocks:
+        block = model.get_submodule(name)
+        state = checkpoint_state(block)
+        kept, offloaded = set(), set()
+        for c in report.calls[name]:
+            choice = rng.choice(
+                ("keep", "offload") if c.decision == "mandatory" else ("keep", "offload", "replay")
+            )
+            if choice == "offload":
+                offloaded.add((c.op, c.index))
+            elif choice == "keep" and c.decision != "mandatory":
+                kept.add((c.op, c.index))
+        offloaded_calls += len(offloaded)
+        kept_calls += len(kept)
+        context_fn = budget_context_fn(
+            state.policy, frozenset(kept), f"block {name!r}", frozenset(offloaded), offloader
+        )
+        wrap_block(block, dataclasses.replace(state, context_fn=context_fn))
+    return kept_calls, offloaded_calls
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_plans_give_no_ac_gradients_bitwise(base, seed):
+    model, x, expected = base
+    model = copy.deepcopy(model)
+    offloader = Offloader(2**30)
+    kept, offloaded = _apply_random_plan(model, x, random.Random(seed), offloader)
+    assert offloaded > 0 and kept > 0
+    for _ in range(2):  # the second step reuses the offloader
+        model.zero_grad()
+        _step(model, x).backward()
+        assert_bitwise_equal(grads(model), expected)
+    ledger = offloader.ledger
+    assert ledger.offloaded > 0 and ledger.peak_host > 0
+    assert ledger.host == 0 and ledger.device == 0  # every result came back and was handed over
+    assert ledger.peak_device == 0  # CPU: the host copy is made at once
+
+
+def test_a_full_host_buffer_keeps_results_instead(base):
+    model, x, expected = base
+    model = copy.deepcopy(model)
+    offloader = Offloader(64)  # room for almost nothing
+    _apply_random_plan(model, x, random.Random(3), offloader)
+    model.zero_grad()
+    _step(model, x).backward()
+    assert_bitwise_equal(grads(model), expected)
+    assert offloader.ledger.overflowed > 0 and offloader.ledger.peak_host <= 64
+
+
+def test_the_recompute_uses_the_host_copies(base):
+    """Corrupting the host copies between forward and backward changes the gradients: the
+    offloaded results really travel through host memory."""
+    model, x, expected = base
+    model = copy.deepcopy(model)
+    offloader = Offloader(2**30)
+    _apply_random_plan(model, x, random.Random(1), offloader)
+    loss = _step(model, x)
+    host = [h for entries in offloader._entries.values() for e in entries for h in e.host]
+    assert host and all(h.device.type == "cpu" for h in host)
+    for h in host:
+        if h.is_floating_point():
+            h.add_(1.0)
+    loss.backward()
+    assert any(not torch.equal(grads(model)[n], expected[n]) for n in expected)
