@@ -111,10 +111,12 @@ _MATMUL = (
     "quack::prime_grouped_linear",
     *QUACK_GEMMS,
 )
-# prime-rl keeps the whole _c10d_functional namespace. prime_ac keeps its reductions and
-# all-to-alls, not its all-gathers (nor wait_tensor, whose result is the all-gather's): inside a
+# prime-rl keeps the whole _c10d_functional namespace. prime_ac keeps its reductions, all-to-alls
+# and broadcast, not its all-gathers (nor wait_tensor, whose result is the all-gather's): inside a
 # block an all-gather is FSDP's parameter gather (SimpleFSDP, compiled FSDP2), and keeping it
-# holds every checkpointed block's unsharded weights (docs/checkpointing.md, "Lists").
+# holds every checkpointed block's unsharded weights (docs/checkpointing.md, "Lists"). Its
+# in-place forms (all_reduce_, broadcast_, *_out) replay: a cached result would skip the write,
+# and every rank recomputes the same blocks, so the replayed collective stays matched.
 _COMMUNICATION = (
     "prime_rl_collectives",
     "_c10d_functional::all_to_all_single",
@@ -122,6 +124,7 @@ _COMMUNICATION = (
     "_c10d_functional::reduce_scatter_tensor_coalesced",
     "_c10d_functional::all_reduce",
     "_c10d_functional::all_reduce_coalesced",
+    "_c10d_functional::broadcast",
 )
 
 # Compiled regions inside an eager block (torchtitan's compiled flex attention runs as one):
@@ -203,11 +206,15 @@ MANDATORY_TARGETS: tuple[str, ...] = (
     "prime_kernels::dsv41_index_topk",
     "prime_kernels::select_indexed_blocks",
     "prime_rl_collectives::all_to_all_single_async",
+    "_c10d_functional::isend",
+    "_c10d_functional::irecv",
+    "_c10d_functional::batch_p2p_ops",
 )
 """Kept in every mode, whatever ``targets`` says: non-replayable communication (DeepEP and the
 MoE kernels that run it: ``deepep_moe``, ``mega_moe``, ``mega_moe_fp8``; the async all-to-all,
 whose output is only complete after the ``sync_all_to_all`` that follows it, which a recompute
-stopping early never reaches), routing and sparse
+stopping early never reaches; point-to-point sends and receives, whose peer, another pipeline
+stage, does not recompute this block and posts no matching operation), routing and sparse
 selection (top-k and the indexers must pick the same experts and blocks in the recompute) and
 telemetry (must count once). The names are prime-rl's; its kernels register them."""
 

@@ -302,6 +302,55 @@ def test_default_targets_keep_what_prime_rl_keeps_but_the_all_gathers():
     assert decide(policy, aten._scaled_dot_product_flash_attention_for_cpu.default) is SAVE
 
 
+@pytest.mark.parametrize("mode", prime_ac.MODES)
+def test_c10d_functional_decisions_where_prime_ac_differs_from_prime_rl(mode):
+    # prime-rl keeps all of _c10d_functional where it keeps communication, nothing of it in full.
+    # prime_ac: point-to-point ops are mandatory (their peer, another pipeline stage, does not
+    # recompute this block: a replayed irecv waits for a send that never comes); broadcast is
+    # kept where communication is; in-place forms and wait_tensor replay (docs/checkpointing.md)
+    c10d = torch.ops._c10d_functional
+    policy = make_policy(mode)
+    for op in (c10d.isend, c10d.irecv, c10d.batch_p2p_ops):
+        assert decide(policy, op.default) is SAVE, (mode, op)
+    communicates = mode not in ("full", "full_moe")
+    assert (decide(policy, c10d.broadcast.default) is SAVE) is communicates
+    assert (decide(policy, c10d.all_reduce.default) is SAVE) is communicates
+    for op in (c10d.broadcast_, c10d.all_reduce_, c10d.wait_tensor, c10d.all_gather_into_tensor):
+        assert decide(policy, op.default) is RECOMPUTE, (mode, op)
+
+
+@pytest.mark.parametrize("mode", ["attention", "matmul"])
+def test_attention_levels_keep_sdpa_which_prime_rls_sets_recompute(mode):
+    # measured with prime_ac's audit on a tiny HF Qwen3 on SDPA (docs/checkpointing.md, "Lists"):
+    # prime_ac's set holds each layer's attention output and logsumexp and replays no attention;
+    # prime-rl's set (the level without the aten SDPA kernels) recomputes it
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        attn_implementation="sdpa",
+        use_cache=False,
+    )
+    ids = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(0))
+
+    def run(**settings):
+        torch.manual_seed(0)
+        model = transformers.Qwen3ForCausalLM(config)
+        prime_ac.checkpoint_blocks(model, **settings)
+        return prime_ac.audit(model, lambda m: m(input_ids=ids, labels=ids).loss)
+
+    prime_rl_set = [t for t in LEVEL_TARGETS[mode] if "attention" not in t.split("::")[-1]]
+    ours, theirs = run(mode=mode), run(mode="selective", targets=prime_rl_set)
+    sdpa_bytes = 2 * (2 * 17 * 4 * 16 * 4 + 2 * 4 * 17 * 4)  # 2 layers: output + logsumexp
+    assert ours.held_bytes - theirs.held_bytes == sdpa_bytes == 18_496
+    assert ours.replayed_flops == 0 < theirs.replayed_flops
+
+
 @pytest.mark.parametrize(
     ("mode", "reference"),
     [
