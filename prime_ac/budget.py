@@ -28,6 +28,7 @@ bytes - such as "every other matmul" - is a feasible point the planner can only 
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -40,11 +41,13 @@ from prime_ac import planner
 from prime_ac._compat import returns_alias, schema_is_mutable
 from prime_ac.audit import audit, op_name
 from prime_ac.contexts import checkpoint_contexts
+from prime_ac.measure import measure_peak
 from prime_ac.modes import Rules
 from prime_ac.offload import Offloader
 from prime_ac.policy import OperatorPolicy
 from prime_ac.scopes import ScopeRules, split_targets
 from prime_ac.targets import Target, TargetSet
+from prime_ac.wrapping import checkpoint_state, wrap_block
 
 __all__ = [
     "FLOP_RATE",
@@ -299,7 +302,7 @@ def plan_budget(
     calls = {name: report.calls.get(name, []) for name in report.blocks}
     no_ac = report.block_held_bytes_no_ac
     if isinstance(budget, str):
-        return plan_peak(report, planner.parse_bytes(budget))
+        return _calibrated(model, profile, report, planner.parse_bytes(budget))
     if isinstance(budget, float):
         held = {
             name: sum(c.bytes for c in calls[name] if c.decision == "mandatory")
@@ -398,3 +401,43 @@ def plan_peak(report: Any, budget: int, host_cap: int | None = None) -> dict[str
             peak=peak,
         )
     return plans
+
+
+def _calibrated(model: nn.Module, profile: Callable, report: Any, budget: int) -> dict:
+    """Plan for a peak of ``budget``, run one step with the plan and measure what it held
+    (:func:`prime_ac.measure.measure_peak`); if that was over, plan once more for a budget
+    smaller by the excess. The plan records both peaks (``Plan.measured``)."""
+    plans = plan_peak(report, budget)
+    measured = _measure(model, profile, plans)
+    peak = next(iter(plans.values())).peak if plans else None
+    if peak is None:
+        return plans
+    peak.measured = measured
+    if measured > budget:
+        tighter = plan_peak(report, max(budget - (measured - budget), 0))
+        first = next(iter(tighter.values())).peak
+        first.measured = _measure(model, profile, tighter)
+        first.tightened_from = peak
+        return tighter
+    return plans
+
+
+def _measure(model: nn.Module, profile: Callable, plans: dict[str, BlockPlan]) -> int:
+    """The peak of one step of ``model`` with ``plans`` applied, the model left as it was."""
+    states = {}
+    for name, p in plans.items():
+        block = model.get_submodule(name)
+        state = states[name] = checkpoint_state(block)
+        fn = budget_context_fn(
+            state.policy, frozenset(p.kept), f"block {name!r}", frozenset(p.offloaded), p.offloader
+        )
+        wrap_block(block, dataclasses.replace(state, context_fn=fn))
+    try:
+        offloader = next((p.offloader for p in plans.values() if p.offloader is not None), None)
+        host = (lambda: offloader.ledger.host) if offloader is not None else (lambda: 0)
+        measured = measure_peak(model, profile, host)
+        model.zero_grad(set_to_none=True)
+        return measured
+    finally:
+        for name, state in states.items():
+            wrap_block(model.get_submodule(name), state)

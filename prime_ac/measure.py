@@ -30,8 +30,10 @@ from prime_ac._compat import (
 
 __all__ = [
     "OpCounter",
+    "PeakTracker",
     "StepStats",
     "StorageTracker",
+    "measure_peak",
     "measure_step",
     "operator_flops",
     "storages",
@@ -317,3 +319,58 @@ def measure_step(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor])
         wall_s=wall,
         grads=grads,
     )
+
+
+class PeakTracker(TorchDispatchMode):
+    """A storage ledger: the bytes of the storages operators created that are alive, at every
+    operator, and the most they reached (``peak``) less what ``host_bytes()`` says lives in
+    host copies (offloaded results on CPU, :class:`prime_ac.offload.Ledger`)."""
+
+    def __init__(self, host_bytes: Callable[[], int] = lambda: 0) -> None:
+        super().__init__()
+        self.host_bytes = host_bytes
+        self.alive = self.peak = 0
+        self._seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            for storage in storages(leaf) if isinstance(leaf, torch.Tensor) else ():
+                key = storage._cdata  # the StorageImpl's address (see _compat.storage_id)
+                if key in self._seen or storage.nbytes() == 0:
+                    continue
+                self._seen.add(key)
+                self.alive += storage.nbytes()
+                weakref.finalize(storage, self._freed, key, storage.nbytes())
+        self.peak = max(self.peak, self.alive - self.host_bytes())
+        return out
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self._seen.discard(key)
+        self.alive -= nbytes
+
+
+def measure_peak(
+    model: nn.Module,
+    loss_fn: Callable[[nn.Module], torch.Tensor],
+    host_bytes: Callable[[], int] = lambda: 0,
+) -> int:
+    """The most activation memory one step ``loss_fn(model).backward()`` held at once.
+
+    On CUDA: ``torch.cuda.max_memory_allocated`` less what was allocated before the step. On
+    CPU: :class:`PeakTracker`'s storage ledger (host copies of offloaded results excluded).
+    Gradients are left as the step made them.
+    """
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        loss_fn(model).backward()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - start
+    tracker = PeakTracker(host_bytes)
+    with tracker:
+        loss = loss_fn(model)
+        loss.backward()
+    return tracker.peak

@@ -192,6 +192,8 @@ class Plan:
     bandwidth: float
     simulation: Simulation
     fits: bool  # False: even the least memory the rules allow exceeds the budget
+    measured: int | None = None  # the peak a step with this plan held (prime_ac.budget)
+    tightened_from: Plan | None = None  # the plan whose measured peak was over the budget
 
     def chosen(self, block: str, decision: str) -> list[tuple[str, int]]:
         """``(op, index)`` of the calls of ``block`` with this decision."""
@@ -221,6 +223,13 @@ class Plan:
             f"copies {sim.exposed_copy_seconds * 1e3:.2f} ms"
             + ("" if self.fits else "; the budget cannot be met: this is the least memory")
         )
+        if self.tightened_from is not None:
+            rows.append(
+                f"first plan measured {format_bytes(self.tightened_from.measured or 0)}, over "
+                f"the budget: planned again for {format_bytes(self.budget)}"
+            )
+        if self.measured is not None:
+            rows.append(f"measured peak {format_bytes(self.measured)}")
         return "\n".join(rows)
 
 
