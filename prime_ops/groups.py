@@ -153,34 +153,39 @@ def resolve_call(group: Any, op: str) -> dist.ProcessGroup:
 
 
 def resolve_name(group_name: str, op: str) -> dist.ProcessGroup:
-    """The live group behind an op's ``group_name`` argument."""
+    """The live group behind an op's ``group_name`` argument. Its error starts with
+    :func:`peers_may_wait`: the peers of a rank with a wrong name are in the collective."""
     try:
         return resolve_process_group(group_name)
-    except (RuntimeError, ValueError) as exc:
+    except (RuntimeError, ValueError, TypeError) as exc:
         raise ValueError(
-            f"{op}: group_name={group_name!r} names no live process group on this rank (is the "
-            "rank a member of it?); pass the group_name of a ProcessGroup created by "
-            "torch.distributed, or use the prime_ops fronts, which take the group itself"
+            f"{peers_may_wait(op, None)} {op}: group_name={group_name!r} names no live process "
+            "group on this rank (is the rank a member of it?); pass the group_name of a "
+            "ProcessGroup created by torch.distributed, or use the prime_ops fronts, which take "
+            "the group itself"
         ) from exc
 
 
-def peers_may_wait(op: str, group: dist.ProcessGroup) -> str:
+def peers_may_wait(op: str, group: dist.ProcessGroup | None) -> str:
+    """What an error raised on one rank before communicating says first (``group`` None: a
+    group that could not be resolved)."""
+    where = "this rank" if group is None else f"rank {group.rank()} of {group.size()}"
     return (
-        f"[{op} raised this on rank {group.rank()} of {group.size()} before sending anything; "
-        "the other ranks may be waiting in the collective until the group's timeout. Set "
-        f"{CHECK_ENV}=1 on every rank (or call prime_ops.groups.set_checked(True) on every "
-        "rank) so that every rank checks the call together and raises the same error]"
+        f"[{op} raised this on {where} before sending anything; the other ranks may be waiting "
+        f"in the collective until the group's timeout. Checked mode catches it: set {CHECK_ENV}=1 "
+        "on every rank (or call prime_ops.groups.set_checked(True) on every rank) so that every "
+        "rank checks the call together and raises the same error]"
     )
 
 
 @contextmanager
 def rank_local(op: str, group: dist.ProcessGroup) -> Iterator[None]:
-    """Append :func:`peers_may_wait` to an error raised inside, on groups of 2+ ranks."""
+    """Put :func:`peers_may_wait` before an error raised inside, on groups of 2+ ranks."""
     try:
         yield
     except Exception as exc:
         if group.size() > 1 and exc.args and isinstance(exc.args[0], str):
-            exc.args = (f"{exc.args[0]} {peers_may_wait(op, group)}", *exc.args[1:])
+            exc.args = (f"{peers_may_wait(op, group)} {exc.args[0]}", *exc.args[1:])
         raise
 
 

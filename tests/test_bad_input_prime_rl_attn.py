@@ -19,7 +19,9 @@ from prime_ops.attn import ring_attention, ring_shard, varlen_attention
 from prime_ops.groups import set_checked
 
 OPS = torch.ops.prime_rl_attn
-WAITING = r"rank \d of 2 before sending anything; the other ranks may be waiting"
+WAITING = (
+    r"\[\S+ raised this on rank \d of 2 before sending anything; the other ranks may be waiting"
+)
 EVERY = "Every rank raises this error"
 
 
@@ -176,7 +178,7 @@ def _ring_body(rank, world):
          "softmax_scale must be finite"),
     ]  # fmt: skip
     for call, message in default:
-        with pytest.raises((ValueError, TypeError), match=f"{message}.*{WAITING}"):
+        with pytest.raises((ValueError, TypeError), match=f"(?s)^{WAITING}.*{message}"):
             call()
     set_checked(True)
     one = rank == 1
@@ -295,3 +297,63 @@ def test_prime_ops_op_survives_a_refused_registration():
     q, k, v, cu_q, cu_k, max_q, max_k = _packed()
     out, _ = OPS.sdpa_varlen(q, k, v, cu_q, cu_k, max_q, max_k, True, None, None)
     assert torch.isfinite(out).all()
+
+
+# Issue 37: prime_rl_ring::attention (which prime-rl calls raw) put its group_name and backend
+# errors before any hint, and checked mode did not cover it: ranks whose heads_k_stride, token
+# count or dtype differed aborted the job.
+
+
+def _raw_ring(q, k, v, stride=1, name=None, backend="sdpa"):
+    tokens, stop = q.shape[0], q.shape[0] * dist.get_world_size()
+    cu_q, cu_k = (torch.tensor([0, n], dtype=torch.int32) for n in (tokens, stop))
+    group_name = dist.group.WORLD.group_name if name is None else name
+    return torch.ops.prime_rl_ring.attention(
+        q, k, v, cu_q, cu_k, tokens, stop, 0, stop, stride, False, group_name, -1, -1, backend
+    )
+
+
+def _raw_ring_body(rank, world):
+    q, kv = torch.randn(8, 4, 8), torch.randn(8, 2, 8)
+    default = [  # every rank makes the same bad call: the hint comes first
+        (lambda: _raw_ring(q, kv, kv, name="no such group"),
+         r"\[prime_rl_ring::attention raised this on this rank before sending anything; the "
+         r"other ranks may be waiting.*Checked mode catches it.*group_name='no such group'"),
+        (lambda: _raw_ring(q, kv, kv, backend="flash"),
+         f"{WAITING}.*attention_backend='flash' is not a ring attention backend"),
+        (lambda: _raw_ring(q, kv, kv, stride=3), f"{WAITING}.*heads_k_stride must divide"),
+    ]  # fmt: skip
+    for call, message in default:
+        with pytest.raises(ValueError, match=f"(?s)^{message}"):
+            call()
+    set_checked(True)
+    one = rank == 1
+    checked = [  # valid on each rank, but not together; or one rank's own mistake
+        (lambda: _raw_ring(q, kv, kv, stride=1 + rank),
+         "do not fit together: heads_k_stride must be the same on every rank"),
+        (lambda: _raw_ring(*(torch.randn(8 + 8 * rank, h, 8) for h in (4, 2, 2))),
+         r"do not fit together: q.shape must be the same on every rank"),
+        (lambda: _raw_ring(*(t.double() if one else t for t in (q, kv, kv))),
+         "do not fit together: q.dtype must be the same"),
+        (lambda: _raw_ring(q, kv, kv, stride=3 if one else 1),
+         "rank 1 of the group rejected its call: ValueError: .*heads_k_stride must divide"),
+        (lambda: _raw_ring(q, kv, kv, backend="flash" if one else "sdpa"),
+         "rank 1 of the group rejected its call: ValueError: attention_backend='flash'"),
+    ]  # fmt: skip
+    for call, message in checked:
+        with pytest.raises(ValueError, match=f"{message}.*{EVERY}"):
+            call()
+    # the backward is checked too: one rank's gradient of another shape
+    out, lse = _raw_ring(q, kv, kv)
+    cu_q, cu_k = (torch.tensor([0, n], dtype=torch.int32) for n in (8, 16))
+    rest = (cu_q, cu_k, 8, 16, 0, 16, 1, False, dist.group.WORLD.group_name, -1, -1, "sdpa")
+    dout = torch.randn(8, 4, 8 + 8 * rank)
+    with pytest.raises(ValueError, match=f"rank 1 .*dout must have shape.*{EVERY}"):
+        torch.ops.prime_rl_ring.attention_backward(dout, q, kv, kv, out, lse, *rest)
+    out, lse = _raw_ring(q, kv, kv)  # still in step
+    assert out.shape == q.shape and torch.isfinite(lse).all()
+    set_checked(False)
+
+
+def test_raw_prime_rl_ring_calls_say_peers_wait_first_and_checked_mode_catches_them():
+    run_distributed(_raw_ring_body, 2, timeout=60)

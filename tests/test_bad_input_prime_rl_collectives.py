@@ -23,7 +23,9 @@ from prime_ops.mxfp8 import mxfp8_all_to_all_dispatch, mxfp8_all_to_all_single
 
 OPS = torch.ops.prime_rl_collectives
 EVERY = "Every rank raises this error"
-WAITING = r"rank \d of 2 before sending anything; the other ranks may be waiting"
+WAITING = (
+    r"\[\S+ raised this on rank \d of 2 before sending anything; the other ranks may be waiting"
+)
 
 
 def _raises(kind, message, call):
@@ -180,7 +182,7 @@ def _default_cases(rank, name):
          torch.tensor([3, 3]), name), r"input_splits \[3, 3\] sum to 6"),
     }  # fmt: skip
     for kind, call, message in cases.values():
-        _raises(kind, f"{message}.*{WAITING}", call)
+        _raises(kind, f"(?s)^{WAITING}.*{message}", call)
     _in_step(rank)
     return list(cases)
 
@@ -282,8 +284,6 @@ def test_checked_mode_one_ranks_mistake_never_hangs(case):
 
 
 def _unsynced_handles(rank, world):
-    import gc
-
     before = len(C._pending)
     outs = []
     for step in range(50):
@@ -291,8 +291,7 @@ def _unsynced_handles(rank, world):
         out, handle = C.all_to_all_single_async(x, [2048, 2048], [2048, 2048])
         outs.append(out)
         assert len(C._pending) == before + 1  # held while the handle lives
-        del handle  # never synced
-        gc.collect()
+        del handle  # never synced (its last reference: freed at once)
         assert len(C._pending) == before, "a dropped handle kept its exchange"
     # the dropped handle's exchange was waited for: every output holds the received rows
     for step, out in enumerate(outs):
@@ -307,4 +306,39 @@ def _unsynced_handles(rank, world):
 
 
 def test_unsynced_async_handles_are_released():
-    run_distributed(_unsynced_handles, 2, timeout=60)
+    run_distributed(_unsynced_handles, 2, timeout=120)
+
+
+def _shapes_differ(rank, world):
+    """Issue 37: locally valid shapes that differ across ranks aborted the job (gloo); checked
+    mode raises on every rank, and a raw op's own error says first that the peers may wait."""
+    name = dist.group.WORLD.group_name
+    raw = torch.ops.prime_rl_collectives
+    default = [  # every rank alike
+        (lambda: raw.all_gather(torch.ones(4, 2), 0, 2, "no such group"),
+         r"\[all_gather raised this on this rank before sending anything; the other ranks may "
+         r"be waiting.*group_name='no such group'"),
+        (lambda: raw.reduce_scatter_sum(torch.ones(3, 2), 0, 2, name),
+         f"{WAITING}.*not divisible by the group size 2"),
+        (lambda: raw.all_to_all_single_async(torch.ones(4, 2), torch.tensor([2, 2]),
+                                             torch.tensor([3, 2]), name),
+         f"{WAITING}.*input_splits \\[3, 2\\] sum to 5"),
+    ]  # fmt: skip
+    for call, message in default:
+        _raises(ValueError, f"(?s)^{message}", call)
+    set_checked(True)
+    x = torch.ones(4 + 2 * rank, 2)
+    for front in (C.all_gather, C.reduce_scatter_sum):
+        with pytest.raises(ValueError, match=f"x.shape must be the same on every rank.*{EVERY}"):
+            front(x)
+    _raises(
+        ValueError,
+        f"x.dtype must be the same on every rank.*{EVERY}",
+        lambda: C.all_gather(torch.ones(4, 2, dtype=torch.float64 if rank else torch.float32)),
+    )
+    set_checked(False)
+    _in_step(rank)
+
+
+def test_shapes_that_differ_across_ranks_are_caught_in_checked_mode():
+    run_distributed(_shapes_differ, 2, timeout=60)

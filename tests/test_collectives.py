@@ -190,7 +190,10 @@ def _contract_body(rank, world):
             call()
     # Default mode: an error raised on one rank says its peers may be left waiting, and how to
     # make every rank raise instead.
-    with pytest.raises(ValueError, match=r"rank \d of 2 .* may be waiting .*CHECK_COLLECTIVES=1"):
+    with pytest.raises(
+        ValueError,
+        match=r"^\[all_to_all_single raised this on rank \d of 2 .* may be waiting .*CHECK_COLLECTIVES=1.*input_splits",
+    ):
         C.all_to_all_single(x, [2, 2], [1, 2])
     # Mixed devices: split sizes on meta with x on the CPU would run the fake as the kernel.
     meta = torch.tensor([2, 2], device="meta")

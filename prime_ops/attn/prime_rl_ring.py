@@ -47,7 +47,7 @@ from prime_ops.attn.varlen import (
     get_backend,
     head_dim_strided,
 )
-from prime_ops.groups import rank_local, resolve_name
+from prime_ops.groups import Fingerprint, agree, checked_mode, rank_local, resolve_name
 
 __all__ = ["RingShard", "ring_shard"]
 
@@ -180,6 +180,30 @@ def _check(q, k, v, world, start, stop, stride, spec, a, grads=None) -> None:
     check_arguments(spec, q, k_seen, v_seen, a, grads=grads)
 
 
+def _fingerprint(spec: Backend, stride: int, a: VarlenArgs, **tensors: Tensor) -> Fingerprint:
+    """What every rank's call must share: the gathers move equal shards of one dtype in equal
+    head groups, and every rank computes the same attention. (The offsets, max_seqlen and the
+    key slice are each rank's own.)"""
+    shared: dict = {f"{name}.shape": tuple(t.shape) for name, t in tensors.items()}
+    shared |= {f"{name}.dtype": str(t.dtype) for name, t in tensors.items()}
+    shared |= {"device": tensors["q"].device.type, "heads_k_stride": stride}
+    shared |= {"attention_backend": spec.name, "causal": a.causal, "softcap": a.softcap}
+    shared |= {"softmax_scale": a.softmax_scale}
+    shared |= {"window": (a.window_size_left, a.window_size_right)}
+    return Fingerprint(shared)
+
+
+def _agree_or_check(op: str, group, describe) -> None:
+    """Run ``describe`` (the checks; it returns the call's fingerprint): in checked mode inside
+    the exchange that compares every rank's call, else alone, its error saying first that the
+    peers may be waiting."""
+    if checked_mode(group):
+        agree(op, group, describe)
+    else:
+        with rank_local(op, group):
+            describe()
+
+
 def _gather(x: Tensor, heads: slice, group, world: int, async_op: bool):
     """All-gather ``x[:, heads]`` of every rank into ``[W * T, h, D]``; returns (buffer, work)."""
     part = x[:, heads].contiguous()
@@ -231,12 +255,17 @@ def _attention(
     op = "prime_rl_ring::attention"
     group = resolve_name(group_name, op)
     world = group.size()
-    spec = _backend(attention_backend)
     a = _args(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
               window_size_left, window_size_right, softmax_scale, softcap)  # fmt: skip
     start, stop = local_k_slice_start, local_k_slice_stop
-    with rank_local(op, group):
+
+    def describe() -> Fingerprint:
+        spec = _backend(attention_backend)
         _check(q, k, v, world, start, stop, heads_k_stride, spec, a)
+        return _fingerprint(spec, heads_k_stride, a, q=q, k=k, v=v)
+
+    _agree_or_check(op, group, describe)
+    spec = _backend(attention_backend)
     outs, lses = [], []
     for _, q_heads, k_all, v_all in _gathered_groups(k, v, q, heads_k_stride, group, world):
         out, lse = spec.forward(
@@ -282,12 +311,17 @@ def _attention_backward(
     op = "prime_rl_ring::attention_backward"
     group = resolve_name(group_name, op)
     world = group.size()
-    spec = _backend(attention_backend)
     a = _args(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
               window_size_left, window_size_right, softmax_scale, softcap)  # fmt: skip
     start, stop = local_k_slice_start, local_k_slice_stop
-    with rank_local(op, group):
+
+    def describe() -> Fingerprint:
+        spec = _backend(attention_backend)
         _check(q, k, v, world, start, stop, heads_k_stride, spec, a, (dout, out, softmax_lse))
+        return _fingerprint(spec, heads_k_stride, a, q=q, k=k, v=v, dout=dout)
+
+    _agree_or_check(op, group, describe)
+    spec = _backend(attention_backend)
     acc = torch.promote_types(k.dtype, torch.float32)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     for kv_heads, q_heads, k_all, v_all in _gathered_groups(k, v, q, heads_k_stride, group, world):
