@@ -635,6 +635,233 @@ def _mm_backward(ctx, grad_output):
 _fp8_blockwise_mm.register_autograd(_mm_backward, setup_context=_mm_setup)
 
 
+# --- prime-rl's fused FP8 SwiGLU MLP (fp8_linear.py: fp8_clamped_swiglu_mlp) --------------------
+#
+# prime-rl's ``_FP8GateUpClampedSwiglu`` (its autograd.Function, which stays prime-rl's) calls
+# ``fp8_gate_up_mm`` and ``fp8_clamped_swiglu`` forward and ``fp8_gate_up_clamped_swiglu_backward``
+# backward. The SwiGLU is rounded where eager bf16 PyTorch rounds it, as prime-rl's fused kernel
+# is; the GEMMs quantize as fp8_blockwise_mm does.
+
+
+def _check_gate_up(x, gate_weight, up_weight, block_size) -> None:
+    op = "prime_rl::fp8_gate_up_mm"
+    _check_tensor(op, x=x, gate_weight=gate_weight, up_weight=up_weight)
+    check_same_device(op, x=x, gate_weight=gate_weight, up_weight=up_weight)
+    if x.dim() != 2 or gate_weight.shape != up_weight.shape or gate_weight.dim() != 2:
+        raise ValueError(
+            f"{op} needs a 2-D x [T, K] and gate_weight, up_weight [I, K] of one shape, got "
+            f"{tuple(x.shape)}, {tuple(gate_weight.shape)} and {tuple(up_weight.shape)}"
+        )
+    _check_high_precision("up_weight", up_weight)
+    _check_mm(x, gate_weight, block_size)
+
+
+def _stacked(gate_weight, up_weight):
+    """``[gate; up]``: with I a multiple of 128 its 128x128 blocks are each weight's own."""
+    return torch.cat([gate_weight, up_weight])
+
+
+@torch.library.custom_op("prime_rl::fp8_gate_up_mm", mutates_args=())
+def _fp8_gate_up_mm(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    up_weight: torch.Tensor,
+    block_size: int,
+    ue8m0: bool | None = None,
+) -> torch.Tensor:
+    """``[x @ gate_weight.T | x @ up_weight.T]`` in bf16: one GEMM, each half equal to
+    ``fp8_blockwise_mm`` of its weight."""
+    _check_gate_up(x, gate_weight, up_weight, block_size)
+    ue8m0 = _resolve_ue8m0(ue8m0, x.device)
+    return _mm_nt(x, _stacked(gate_weight, up_weight), torch.bfloat16, ue8m0)
+
+
+@_fp8_gate_up_mm.register_fake
+def _(x, gate_weight, up_weight, block_size, ue8m0=None):
+    _check_gate_up(x, gate_weight, up_weight, block_size)
+    return x.new_empty(x.shape[0], 2 * gate_weight.shape[0], dtype=torch.bfloat16)
+
+
+def _gate_up_setup(ctx, inputs, output):
+    x, gate_weight, up_weight, ctx.block_size, ctx.ue8m0 = inputs
+    ctx.save_for_backward(x, gate_weight, up_weight)
+
+
+def _gate_up_backward(ctx, grad_output):
+    x, gate_weight, up_weight = ctx.saved_tensors
+    needs_x, needs_gate, needs_up = ctx.needs_input_grad[:3]
+    grad_x, grad_w = torch.ops.prime_rl.fp8_blockwise_mm_backward(
+        grad_output.contiguous(),
+        x,
+        _stacked(gate_weight, up_weight),
+        ctx.block_size,
+        needs_x,
+        needs_gate or needs_up,
+        0,
+        ctx.ue8m0,
+    )
+    grad_gate, grad_up = grad_w.chunk(2)
+    return (
+        grad_x if needs_x else None,
+        grad_gate if needs_gate else None,
+        grad_up if needs_up else None,
+        None,
+        None,
+    )
+
+
+_fp8_gate_up_mm.register_autograd(_gate_up_backward, setup_context=_gate_up_setup)
+
+
+def _clamped_swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=1)
+    return torch.nn.functional.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
+def _check_swiglu(gate_up: torch.Tensor, limit: float) -> int:
+    """The intermediate size I of ``gate_up [T, 2I]``."""
+    _check_tensor("prime_rl::fp8_clamped_swiglu", gate_up=gate_up)
+    _check_high_precision("gate_up", gate_up)
+    if gate_up.dim() != 2 or gate_up.shape[1] % (2 * BLOCK):
+        raise ValueError(
+            f"gate_up must be [T, 2I] ([gate | up], I a multiple of {BLOCK}), got "
+            f"{tuple(gate_up.shape)}"
+        )
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)):
+        raise TypeError(f"limit must be a float, got {limit!r}")
+    return gate_up.shape[1] // 2
+
+
+def _swiglu_backward(grad_h: torch.Tensor, gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    """``d[gate | up]`` by eager autograd's formulas, in ``gate_up``'s dtype (a custom op's
+    kernel runs below autograd, so they are spelled out: mul, clamp's mask, silu_backward)."""
+    gate, up = gate_up.chunk(2, dim=1)
+    g, u = gate.clamp(max=limit), up.clamp(-limit, limit)
+    d_u = grad_h * torch.nn.functional.silu(g)
+    d_g = torch.ops.aten.silu_backward(grad_h * u, g)
+    zero = grad_h.new_zeros(())
+    d_gate = torch.where(gate <= limit, d_g, zero)
+    d_up = torch.where((up >= -limit) & (up <= limit), d_u, zero)
+    return torch.cat([d_gate, d_up], dim=1)
+
+
+@torch.library.custom_op("prime_rl::fp8_clamped_swiglu", mutates_args=())
+def _fp8_clamped_swiglu(
+    gate_up: torch.Tensor, limit: float, ue8m0: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``h = silu(clamp(gate, max=limit)) * clamp(up, -limit, limit)`` from ``gate_up = [gate |
+    up]``, and ``h``'s 1x128 FP8 cast: values ``[T, I]`` and scales stored as prime-rl's down
+    projection reads them, ``[I / 128, ceil(T / 4) * 4]`` (``x_sf`` of fp8_blockwise_mm)."""
+    _check_swiglu(gate_up, limit)
+    ue8m0 = _resolve_ue8m0(ue8m0, gate_up.device)
+    h = _clamped_swiglu(gate_up, limit)
+    q, scale = quantize_blockwise(h, 1, ue8m0=ue8m0)
+    rows = h.shape[0]
+    h_sf = scale.new_zeros(scale.shape[1], -(-rows // 4) * 4)
+    h_sf[:, :rows] = scale.T
+    return h, q, h_sf
+
+
+@_fp8_clamped_swiglu.register_fake
+def _(gate_up, limit, ue8m0=None):
+    inter = _check_swiglu(gate_up, limit)
+    rows = gate_up.shape[0]
+    return (
+        gate_up.new_empty(rows, inter),
+        gate_up.new_empty(rows, inter, dtype=FP8_DTYPE),
+        gate_up.new_empty(inter // BLOCK, -(-rows // 4) * 4, dtype=torch.float32),
+    )
+
+
+def _swiglu_setup(ctx, inputs, output):
+    gate_up, ctx.limit, _ = inputs
+    ctx.save_for_backward(gate_up)
+
+
+def _swiglu_autograd_backward(ctx, grad_h, _grad_q, _grad_sf):
+    (gate_up,) = ctx.saved_tensors
+    if grad_h is None:
+        return None, None, None
+    return _swiglu_backward(grad_h, gate_up, ctx.limit), None, None
+
+
+_fp8_clamped_swiglu.register_autograd(_swiglu_autograd_backward, setup_context=_swiglu_setup)
+
+
+def _check_gate_up_backward(grad_h, x, gate_weight, up_weight, gate_up, limit, block_size):
+    op = "prime_rl::fp8_gate_up_clamped_swiglu_backward"
+    _check_tensor(op, grad_h=grad_h, gate_up=gate_up)
+    check_same_device(op, grad_h=grad_h, x=x, gate_weight=gate_weight, gate_up=gate_up)
+    _check_gate_up(x, gate_weight, up_weight, block_size)
+    inter = _check_swiglu(gate_up, limit)
+    if tuple(gate_up.shape) != (x.shape[0], 2 * gate_weight.shape[0]):
+        raise ValueError(
+            f"gate_up must be fp8_gate_up_mm's output [T, 2I] = {[x.shape[0], 2 * inter]}, got "
+            f"{list(gate_up.shape)}"
+        )
+    _check_grad(grad_h, (x.shape[0], inter))
+
+
+@torch.library.custom_op("prime_rl::fp8_gate_up_clamped_swiglu_backward", mutates_args=())
+def _fp8_gate_up_clamped_swiglu_backward(
+    grad_h: torch.Tensor,
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    up_weight: torch.Tensor,
+    gate_up: torch.Tensor,
+    limit: float,
+    block_size: int,
+    needs_grad_x: bool,
+    needs_grad_weight: bool,
+    gate_wgrad_key: int = 0,
+    up_wgrad_key: int = 0,
+    ue8m0: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gate and up projections' backward from ``grad_h``: ``d[gate | up]`` as eager bf16
+    autograd gives it, the two data-gradient GEMMs summed in ``x.dtype``, two weight-gradient
+    GEMMs. A weight whose key has an accumulator (:func:`accumulate_wgrad_fp32`) gets its
+    gradient added there and an empty one returned; gradients not asked for are zeros."""
+    _check_gate_up_backward(grad_h, x, gate_weight, up_weight, gate_up, limit, block_size)
+    ue8m0 = _resolve_ue8m0(ue8m0, x.device)
+    d_gate, d_up = _swiglu_backward(grad_h.contiguous(), gate_up, limit).chunk(2, dim=1)
+    grad_x = torch.zeros_like(x)
+    grads_w = [torch.zeros_like(gate_weight), torch.zeros_like(up_weight)]
+    halves = ((d_gate, gate_weight, gate_wgrad_key), (d_up, up_weight, up_wgrad_key))
+    if needs_grad_x:
+        gate_x, up_x = (
+            _mm_nt(d.contiguous(), w.T.contiguous(), x.dtype, ue8m0) for d, w, _ in halves
+        )
+        grad_x = gate_x + up_x
+    if needs_grad_weight:
+        rhs = _pad_rows(x).T.contiguous()
+        for i, (d, weight, key) in enumerate(halves):
+            accumulator = _accumulator(key, weight)
+            lhs = _pad_rows(d).T.contiguous()
+            if accumulator is None:
+                grads_w[i] = _mm_nt(lhs, rhs, weight.dtype, ue8m0)
+            else:
+                qa, sa = quantize_blockwise(lhs, 1, ue8m0=ue8m0)
+                qb, sb = quantize_blockwise(rhs, BLOCK, ue8m0=ue8m0)
+                _accumulate_nt(qa, sa, qb, sb, accumulator)
+                grads_w[i] = weight.new_empty(0)
+    return grad_x, grads_w[0], grads_w[1]
+
+
+@_fp8_gate_up_clamped_swiglu_backward.register_fake
+def _(
+    grad_h, x, gate_weight, up_weight, gate_up, limit, block_size, needs_grad_x,
+    needs_grad_weight, gate_wgrad_key=0, up_wgrad_key=0, ue8m0=None,
+):  # fmt: skip
+    _check_gate_up_backward(grad_h, x, gate_weight, up_weight, gate_up, limit, block_size)
+    grads_w = []
+    for weight, key in ((gate_weight, gate_wgrad_key), (up_weight, up_wgrad_key)):
+        if needs_grad_weight:
+            _check_wgrad_key(key)
+        accumulates = needs_grad_weight and key in wgrad_accumulators
+        grads_w.append(weight.new_empty(0) if accumulates else torch.empty_like(weight))
+    return torch.empty_like(x), *grads_w
+
+
 def _check_grouped(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> None:
     _check_tensor("prime_rl::grouped_fp8_gemm", x=x, weight=weight, offs=offs)
     check_same_device("prime_rl::grouped_fp8_gemm", x=x, weight=weight, offs=offs)

@@ -440,6 +440,13 @@ FP8_CASES = [
     ("backward: grad_output of another shape", "grouped_fp8_gemm_backward",
      (torch.randn(4, 256), torch.randn(4, 128), _W3, _OFFS, True, True),
      r"grad_output must have the forward output's shape \[4, 128\], got \[4, 256\]"),
+    ("gate and up weights of other shapes", "fp8_gate_up_mm",
+     (torch.randn(4, 128), _W, torch.randn(256, 128), 128), "of one shape"),
+    ("gate_up of an odd width", "fp8_clamped_swiglu",
+     (torch.randn(4, 200), 1.0), r"gate_up must be \[T, 2I\]"),
+    ("backward: gate_up not the GEMM's output", "fp8_gate_up_clamped_swiglu_backward",
+     (torch.randn(2, 128), _X, _W, _W, torch.randn(2, 512), 1.0, 128, True, True),
+     "gate_up must be fp8_gate_up_mm's output"),
 ]  # fmt: skip
 
 

@@ -167,6 +167,66 @@ def test_opcheck_dense(gen, dtype, ue8m0):
     opcheck(torch.ops.prime_rl.fp8_blockwise_mm_backward.default, args)
 
 
+# --- prime-rl's fused SwiGLU MLP ops ------------------------------------------------------------
+
+
+def _swiglu_input(gen, rows=5, inter=128, limit=1.0):
+    gate_up = (torch.randn(rows, 2 * inter, generator=gen) * 2).bfloat16()
+    gate_up[0, :4] = limit  # on the clamps' edges: gradient passes
+    gate_up[0, inter : inter + 2] = torch.tensor([-limit, limit])
+    return gate_up
+
+
+def test_swiglu_backward_is_eager_autograd(gen):
+    """The op's spelled-out backward equals eager bf16 autograd bitwise, clamp edges included."""
+    limit = 1.0
+    gate_up = _swiglu_input(gen, limit=limit)
+    grad_h = torch.randn(5, 128, generator=gen).bfloat16()
+    leaf = gate_up.clone().requires_grad_()
+    gate, up = leaf.chunk(2, dim=1)
+    h = torch.nn.functional.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+    h.backward(grad_h)
+    assert torch.equal(fp8._swiglu_backward(grad_h, gate_up, limit), leaf.grad)
+    out, q, sf = torch.ops.prime_rl.fp8_clamped_swiglu(gate_up, limit)
+    assert torch.equal(out, h.detach())
+    ref_q, ref_scale = quantize_blockwise(h.detach(), 1)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+    assert sf.shape == (1, 8) and torch.equal(sf[:, :5], ref_scale.T)
+
+
+@pytest.mark.parametrize("ue8m0", [None, True])
+def test_opcheck_fused_mlp_ops(gen, ue8m0):
+    x = torch.randn(5, 128, generator=gen).bfloat16().requires_grad_()
+    gate, up = (torch.randn(128, 128, generator=gen).bfloat16().requires_grad_() for _ in "gu")
+    opcheck(torch.ops.prime_rl.fp8_gate_up_mm.default, (x, gate, up, BLOCK, ue8m0))
+    gate_up = _swiglu_input(gen).requires_grad_()
+    # no aot_dispatch check: it sums every output, and torch cannot sum float8 (the cast)
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    opcheck(torch.ops.prime_rl.fp8_clamped_swiglu.default, (gate_up, 1.0, ue8m0), test_utils=checks)
+    grad_h = torch.randn(5, 128, generator=gen).bfloat16()
+    args = (grad_h, x.detach(), gate.detach(), up.detach(), gate_up.detach(), 1.0, BLOCK)
+    opcheck(
+        torch.ops.prime_rl.fp8_gate_up_clamped_swiglu_backward.default,
+        (*args, True, True, 0, 0, ue8m0),
+    )
+
+
+def test_fused_mlp_ops_reject_bad_inputs():
+    x, w = torch.randn(4, 128), torch.randn(128, 128)
+    with pytest.raises(ValueError, match="gate_weight, up_weight \\[I, K\\] of one shape"):
+        torch.ops.prime_rl.fp8_gate_up_mm(x, w, torch.randn(256, 128), BLOCK)
+    with pytest.raises(ValueError, match="gate_up must be \\[T, 2I\\]"):
+        torch.ops.prime_rl.fp8_clamped_swiglu(torch.randn(4, 200), 1.0)
+    with pytest.raises(ValueError, match="gate_up must be fp8_gate_up_mm's output"):
+        torch.ops.prime_rl.fp8_gate_up_clamped_swiglu_backward(
+            torch.randn(4, 128), x, w, w, torch.randn(4, 512), 1.0, BLOCK, True, True
+        )
+    with pytest.raises(KeyError, match="wgrad_key=5 has no fp32 accumulator"):
+        torch.ops.prime_rl.fp8_gate_up_clamped_swiglu_backward(
+            torch.randn(4, 128), x, w, w, torch.randn(4, 256), 1.0, BLOCK, False, True, 0, 5
+        )
+
+
 # --- grouped op --------------------------------------------------------------------------------
 
 

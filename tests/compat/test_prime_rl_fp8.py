@@ -34,6 +34,13 @@ PRIME_RL_SCHEMAS = {
         "Tensor grad_output, Tensor x, Tensor weight, Tensor offs, bool needs_grad_x, "
         "bool needs_grad_weight"
     ),
+    "fp8_gate_up_mm": "Tensor x, Tensor gate_weight, Tensor up_weight, SymInt block_size",
+    "fp8_clamped_swiglu": "Tensor gate_up, float limit",
+    "fp8_gate_up_clamped_swiglu_backward": (
+        "Tensor grad_h, Tensor x, Tensor gate_weight, Tensor up_weight, Tensor gate_up, "
+        "float limit, SymInt block_size, bool needs_grad_x, bool needs_grad_weight, "
+        "SymInt gate_wgrad_key=0, SymInt up_wgrad_key=0"
+    ),
     "record_moe_routing_statistics": (
         "Tensor(a0!) tokens_per_expert, Tensor(a1!) routing_confidence_sum, "
         "Tensor token_counts, Tensor confidence"
@@ -44,6 +51,9 @@ RETURNS = {
     "fp8_blockwise_mm_backward": "(Tensor, Tensor)",
     "grouped_fp8_gemm": "Tensor",
     "grouped_fp8_gemm_backward": "(Tensor, Tensor)",
+    "fp8_gate_up_mm": "Tensor",
+    "fp8_clamped_swiglu": "(Tensor, Tensor, Tensor)",
+    "fp8_gate_up_clamped_swiglu_backward": "(Tensor, Tensor, Tensor)",
     "record_moe_routing_statistics": "()",
 }
 
@@ -228,6 +238,93 @@ def test_fp8_clamped_swiglu_mlp_hands_over_its_cast():
     h2 = h.detach().requires_grad_()
     OPS.fp8_blockwise_mm(h2, weight.detach(), 128, 0).backward(grad)
     assert torch.equal(h.grad, h2.grad)
+
+
+class _FP8GateUpClampedSwiglu(torch.autograd.Function):
+    """prime-rl's autograd.Function of its fused FP8 MLP (fp8_linear.py), which stays prime-rl's:
+    ``fp8_gate_up_mm`` then ``fp8_clamped_swiglu`` forward, ``fp8_gate_up_clamped_swiglu_backward``
+    backward with ``needs_grad_gate or needs_grad_up`` and both modules' ``wgrad_key``s."""
+
+    @staticmethod
+    def forward(ctx, x, gate_weight, up_weight, limit, block_size, gate_key, up_key):
+        gate_up = OPS.fp8_gate_up_mm(x, gate_weight, up_weight, block_size)
+        h, h_fp8, h_sf = OPS.fp8_clamped_swiglu(gate_up, limit)
+        ctx.save_for_backward(x, gate_weight, up_weight, gate_up)
+        ctx.limit, ctx.block_size, ctx.keys = limit, block_size, (gate_key, up_key)
+        ctx.mark_non_differentiable(h_fp8, h_sf)
+        return h, h_fp8, h_sf
+
+    @staticmethod
+    def backward(ctx, grad_h, _grad_h_fp8, _grad_h_sf):
+        x, gate_weight, up_weight, gate_up = ctx.saved_tensors
+        needs_x, needs_gate, needs_up = ctx.needs_input_grad[:3]
+        grad_x, grad_gate, grad_up = OPS.fp8_gate_up_clamped_swiglu_backward(
+            grad_h, x, gate_weight, up_weight, gate_up, ctx.limit, ctx.block_size,
+            needs_x, needs_gate or needs_up, *ctx.keys,
+        )  # fmt: skip
+        keep_gate, keep_up = (k not in fp8.wgrad_accumulators for k in ctx.keys)
+        return (
+            grad_x if needs_x else None,
+            grad_gate if needs_gate and keep_gate else None,
+            grad_up if needs_up and keep_up else None,
+            *[None] * 4,
+        )
+
+
+def _mlp_case(seed=5):
+    gen = _gen(seed)
+    x = torch.randn(2, 3, 256, generator=gen).bfloat16()
+    gate, up = ((torch.randn(256, 256, generator=gen) / 8).bfloat16() for _ in range(2))
+    down = (torch.randn(128, 256, generator=gen) / 8).bfloat16()
+    grad = torch.randn(2, 3, 128, generator=gen).bfloat16()
+    return x, gate, up, down, grad
+
+
+def _leaves(*tensors):
+    return [t.clone().requires_grad_() for t in tensors]
+
+
+def test_fused_clamped_swiglu_mlp_is_the_unfused_mlp():
+    """``fp8_clamped_swiglu_mlp``: one gate/up GEMM, the fused SwiGLU with its cast handed to the
+    down projection, the fused backward; bitwise the three fp8_blockwise_mm projections with
+    the eager bf16 clamped SwiGLU between them, forward and every gradient."""
+    limit = 1.5  # small enough that both clamps bite
+    x, gate, up, down, grad = _mlp_case()
+    fx, fg, fu, fd = _leaves(x, gate, up, down)
+    h, h_fp8, h_sf = _FP8GateUpClampedSwiglu.apply(fx.flatten(0, 1), fg, fu, limit, 128, 0, 0)
+    fused = OPS.fp8_blockwise_mm(h, fd, 128, 0, h_fp8, h_sf).view(2, 3, 128)
+    fused.backward(grad)
+    ux, ug, uu, ud = _leaves(x, gate, up, down)
+    gate_out, up_out = OPS.fp8_blockwise_mm(ux, ug, 128), OPS.fp8_blockwise_mm(ux, uu, 128)
+    hidden = torch.nn.functional.silu(gate_out.clamp(max=limit)) * up_out.clamp(-limit, limit)
+    unfused = OPS.fp8_blockwise_mm(hidden, ud, 128)
+    unfused.backward(grad)
+    assert torch.equal(fused, unfused)
+    for a, b in ((fx, ux), (fg, ug), (fu, uu), (fd, ud)):
+        assert a.grad.dtype == torch.bfloat16 and torch.equal(a.grad, b.grad)
+
+
+def test_fused_mlp_accumulates_each_weight_under_its_key():
+    """With ``accumulate_wgrad_fp32`` on gate_proj and up_proj, their gradients land in the fp32
+    buffers (the same products as the bf16 gradients, unrounded) and the weights get none."""
+    x, gate, up, _, _ = _mlp_case(seed=6)
+    grad_h = torch.randn(6, 256, generator=_gen(7)).bfloat16()
+    fx, fg, fu = _leaves(x.flatten(0, 1), gate, up)
+    _FP8GateUpClampedSwiglu.apply(fx, fg, fu, 2.0, 128, 0, 0)[0].backward(grad_h)
+    buffers = {"gate": torch.zeros(gate.shape), "up": torch.zeros(up.shape)}
+    keys = {name: id(buf) for name, buf in buffers.items()}
+    for name, buf in buffers.items():
+        fp8.accumulate_wgrad_fp32(keys[name], lambda b=buf: b)
+    try:
+        ax, ag, au = _leaves(x.flatten(0, 1), gate, up)
+        h = _FP8GateUpClampedSwiglu.apply(ax, ag, au, 2.0, 128, keys["gate"], keys["up"])[0]
+        h.backward(grad_h)
+    finally:
+        for key in keys.values():
+            fp8.accumulate_wgrad_fp32(key, None)
+    assert ag.grad is None and au.grad is None and torch.equal(ax.grad, fx.grad)
+    assert torch.equal(buffers["gate"].bfloat16(), fg.grad)
+    assert torch.equal(buffers["up"].bfloat16(), fu.grad)
 
 
 @pytest.mark.slow

@@ -258,3 +258,32 @@ def test_architecture_is_read_from_the_tensors_device(monkeypatch):
     device = torch.device("cuda", 3)
     assert fp8._deep_gemm_arch(device) == 9 and asked == [device]
     assert not fp8.needs_ue8m0(device) and not fp8.needs_ue8m0(torch.device("cpu"))
+
+
+def test_fused_swiglu_mlp_backward(on_gpu):
+    """prime_rl::fp8_gate_up_clamped_swiglu_backward with an fp32 accumulator on the gate weight
+    and a bf16 gradient for the up weight: on SM90 the accumulation is the 1d1d kernel's
+    (sm90_fp8_gemm_1d1d.hpp @ 1fab197d601a), the bf16 products the 1d2d kernel's."""
+    ue8m0 = on_gpu.arch >= 10
+    gen = _gen(4)
+    x = torch.randn(7, 256, generator=gen).bfloat16()
+    gate, up = ((torch.randn(128, 256, generator=gen) / 8).bfloat16() for _ in "gu")
+    gate_up = torch.ops.prime_rl.fp8_gate_up_mm(x, gate, up, BLOCK, ue8m0)
+    grad_h = torch.randn(7, 128, generator=gen).bfloat16()
+    results = []
+    for install, scales in ((lambda: None, ue8m0), (on_gpu, None)):  # None: the device's
+        stand_in = install()
+        buffer = torch.zeros(gate.shape)
+        fp8.accumulate_wgrad_fp32(id(buffer), lambda b=buffer: b)
+        try:
+            grad_x, grad_gate, grad_up = torch.ops.prime_rl.fp8_gate_up_clamped_swiglu_backward(
+                grad_h, x, gate, up, gate_up, 1.0, BLOCK, True, True, id(buffer), 0, scales
+            )
+        finally:
+            fp8.accumulate_wgrad_fp32(id(buffer), None)
+        assert grad_gate.numel() == 0
+        results.append((grad_x, grad_up, buffer))
+    for got, expected in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, expected, **TOLERANCE[got.dtype])
+    if on_gpu.arch == 9:
+        assert [c.kernel for c in stand_in.calls if c.accumulates] == ["sm90_fp8_gemm_1d1d"]
