@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from prime_ops.attn.flash import cuda_arch
 from prime_ops.backends import import_backend
 from prime_ops.devices import check_same_device
 
@@ -179,6 +180,13 @@ def flashmla_forward(
 
 
 def _flashmla_limits(q: Tensor, kv: Tensor, indices: Tensor, d_v: int) -> None:
+    arch = cuda_arch(q.device)
+    if arch is not None and arch != 90 and arch // 10 != 10:
+        # FlashMLA's sparse_fwd.h: TORCH_CHECK(is_sm90a || is_sm100f) (9.0 or 10.x only).
+        raise ValueError(
+            f"backend 'flashmla' runs on SM90 and SM100/SM103 only (FlashMLA's sparse kernels); "
+            f"this device is SM{arch}. Use backend='triton' there."
+        )
     if kv.shape[1] != 1:
         raise ValueError(f"backend 'flashmla' needs one KV head (MQA); got Hkv={kv.shape[1]}")
     if q.shape[1] not in (64, 128):
