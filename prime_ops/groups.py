@@ -48,6 +48,7 @@ __all__ = [
     "resolve",
     "resolve_call",
     "resolve_name",
+    "resolve_name_call",
     "set_checked",
 ]
 
@@ -164,6 +165,23 @@ def resolve_name(group_name: str, op: str) -> dist.ProcessGroup:
             "ProcessGroup created by torch.distributed, or use the prime_ops fronts, which take "
             "the group itself"
         ) from exc
+
+
+def resolve_name_call(group_name: str, op: str) -> dist.ProcessGroup:
+    """:func:`resolve_name` for a raw op that runs checked mode itself: in checked mode a name
+    that resolves to no group joins the default group's fingerprint exchange (as
+    :func:`resolve_call` does), so peers that passed that group raise too instead of waiting."""
+    try:
+        return resolve_name(group_name, op)
+    except ValueError as exc:
+        if not dist.is_initialized() or not checked_mode(dist.group.WORLD):
+            raise
+
+        def rejected(error: ValueError = exc) -> Fingerprint:
+            raise error
+
+        agree(op, dist.group.WORLD, rejected)
+        raise  # unreachable: agree raised on every rank
 
 
 def peers_may_wait(op: str, group: dist.ProcessGroup | None) -> str:

@@ -339,6 +339,10 @@ def _raw_ring_body(rank, world):
          "rank 1 of the group rejected its call: ValueError: .*heads_k_stride must divide"),
         (lambda: _raw_ring(q, kv, kv, backend="flash" if one else "sdpa"),
          "rank 1 of the group rejected its call: ValueError: attention_backend='flash'"),
+        # a group_name naming no group joins the default group's exchange
+        (lambda: _raw_ring(q, kv, kv, name="no such group" if one else None),
+         r"rank 1 of the group rejected its call: ValueError: \[prime_rl_ring::attention "
+         r"raised this on this rank .*group_name='no such group'"),
     ]  # fmt: skip
     for call, message in checked:
         with pytest.raises(ValueError, match=f"{message}.*{EVERY}"):

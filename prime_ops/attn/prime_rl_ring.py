@@ -47,7 +47,7 @@ from prime_ops.attn.varlen import (
     get_backend,
     head_dim_strided,
 )
-from prime_ops.groups import Fingerprint, agree, checked_mode, rank_local, resolve_name
+from prime_ops.groups import Fingerprint, agree, checked_mode, rank_local, resolve_name_call
 
 __all__ = ["RingShard", "ring_shard"]
 
@@ -253,7 +253,7 @@ def _attention(
     softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     op = "prime_rl_ring::attention"
-    group = resolve_name(group_name, op)
+    group = resolve_name_call(group_name, op)
     world = group.size()
     a = _args(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
               window_size_left, window_size_right, softmax_scale, softcap)  # fmt: skip
@@ -309,7 +309,7 @@ def _attention_backward(
     softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     op = "prime_rl_ring::attention_backward"
-    group = resolve_name(group_name, op)
+    group = resolve_name_call(group_name, op)
     world = group.size()
     a = _args(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
               window_size_left, window_size_right, softmax_scale, softcap)  # fmt: skip
