@@ -68,9 +68,10 @@ _ATTENTION = (
     "prime_kernels::indexed_attention_forward",
     "higher_order::flex_attention",
 )
-# QuACK's own registered GEMMs (quack-kernels 0.6.5, quack/gemm_interface.py): the functional
-# ones and the out= ones, which return nothing and write their outputs (kept with what they
-# wrote: prime_ac.actions.Action.KEEP_WRITTEN).
+# QuACK's own registered GEMMs (quack-kernels 0.6.5, quack/gemm_interface.py and the epilogue
+# GEMMs' quack/gemm_runtime/torch_op.py): the functional ones and the out= ones, which return
+# nothing and write their outputs (kept with what they wrote: prime_ac.actions.Action.KEEP_WRITTEN).
+# QuACK's other ops are replayed; docs/backends.md ("QuACK's other ops") says why for each.
 QUACK_GEMMS: tuple[str, ...] = (
     "quack::gemm",
     "quack::gemm_add",
@@ -86,6 +87,8 @@ QUACK_GEMMS: tuple[str, ...] = (
     "quack::gemm_rms_out",
     "quack::gemm_norm_act_out",
     "quack::gemm_norm_gated_out",
+    "quack::gemm_epi",
+    "quack::gemm_epi_f",
 )
 # torch's own operators that some supported torch releases lack (2.9 has no ``_v2`` scaled GEMMs,
 # which torch 2.13's ``F.scaled_mm`` dispatches): a list naming them is right on every release,

@@ -40,6 +40,7 @@ __all__ = [
 
 QUACK_OP_NAMES = frozenset(
     {
+        # GEMMs: kept by prime_ac's policies (prime_ac.targets.QUACK_GEMMS)
         "gemm",
         "gemm_add",
         "gemm_add_inplace",
@@ -51,9 +52,35 @@ QUACK_OP_NAMES = frozenset(
         "gemm_gated_out",
         "gemm_dgated_out",
         "gemm_symmetric_out",
+        "gemm_rms_out",
+        "gemm_norm_act_out",
+        "gemm_norm_gated_out",
+        "gemm_epi",
+        "gemm_epi_f",
+        # the rest, replayed (docs/backends.md, "QuACK's other ops", says why for each)
+        "split_k_reduce_out",
+        "rms_final_reduce_out",
+        "_rmsnorm_fwd",
+        "_rmsnorm_bwd",
+        "rmsnorm_bwd_f",
+        "rmsnorm_bwd_f_dual",
+        "_softmax_fwd",
+        "_softmax_backward",
+        "cross_entropy_fwd_out",
+        "cross_entropy_bwd_out",
+        "lce_scaled_exp_fwd",
+        "_rotary_fwd_out",
+        "_rotary_fwd_inplace",
+        "_rotary_inplace_bwd",
+        "_rotary_qkv_inplace",
+        "_rotary_qkv_inplace_bwd",
+        "_topk_fwd",
+        "_topk_bwd",
+        "_hadamard_transform_fwd",
     }
 )
-"""Ops quack-kernels 0.6.x registers in namespace ``quack``; ours must never take these names."""
+"""Every op quack-kernels 0.6.5 registers in namespace ``quack`` once its modules are imported
+(tests/libraries/test_quack_host.py compares); ours must never take these names."""
 
 OP_NAMES = (
     "prime_linear",
