@@ -21,6 +21,9 @@ and later; never on CPU. Pass ``ue8m0=True`` on CPU to get exactly what an SM100
 :func:`quantize_blockwise` (the one quantizer every op here uses) and :func:`dequantize_blockwise`
 produce and invert that format. Every entry point checks scale shapes against the data and
 refuses an output dtype it cannot produce exactly.
+
+prime-rl's fused FP8 SwiGLU MLP ops (``fp8_gate_up_mm``, ``fp8_clamped_swiglu``,
+``fp8_gate_up_clamped_swiglu_backward``) are here too, with the same quantization.
 """
 
 from __future__ import annotations
@@ -234,7 +237,8 @@ def fp8_gemm_nt(
     """``a @ b.T`` for FP8 ``a [M, K]`` (1x128 scales) and ``b [N, K]`` (128x128 scales).
 
     The product accumulates in fp32 and is rounded once to ``out_dtype``. CUDA calls
-    ``deep_gemm.fp8_gemm_nt`` (writing fp32 directly unless ``out_dtype`` is bf16); CPU
+    ``deep_gemm.fp8_gemm_nt``, writing fp32 directly unless ``out_dtype`` is bf16 (on SM90
+    through its accumulating 1d1d kernel, the only one there that writes fp32); CPU
     dequantizes and multiplies in fp32.
     """
     check_same_device("fp8_gemm_nt", a=a, a_scale=a_scale, b=b, b_scale=b_scale)
