@@ -13,10 +13,12 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-try:  # torch-private; without it (a torch that reorganised it) nothing is guarded
+try:  # torch-private (2.4 on); under a torch that reorganised it nothing is guarded
     from torch._library import custom_ops as _torch_ops
 except ImportError:  # pragma: no cover
     _torch_ops = None
+if not (hasattr(_torch_ops, "OPDEFS") and hasattr(_torch_ops, "OPDEF_TO_LIB")):
+    _torch_ops = None  # pragma: no cover
 
 _PREFIX = "prime_ops"
 
