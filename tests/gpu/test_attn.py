@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from libraries import cases as library_cases
 
 import prime_ops
 from prime_ops.attn import ring_attention, varlen_attention
@@ -52,14 +53,15 @@ CASES = {
 }
 
 
-def _inputs(lengths, h, hkv, d, lengths_k=None, dtype=torch.bfloat16):
+def _inputs(lengths, h, hkv, d, lengths_k=None, dtype=torch.bfloat16, dv=None):
     gen = torch.Generator(device="cuda").manual_seed(0)
     lengths_k = lengths_k or lengths
 
-    def rand(tokens, heads):
-        return torch.randn(tokens, heads, d, device="cuda", dtype=dtype, generator=gen)
+    def rand(tokens, heads, dim=d):
+        return torch.randn(tokens, heads, dim, device="cuda", dtype=dtype, generator=gen)
 
-    q, k, v = rand(sum(lengths), h), rand(sum(lengths_k), hkv), rand(sum(lengths_k), hkv)
+    q, k = rand(sum(lengths), h), rand(sum(lengths_k), hkv)
+    v = rand(sum(lengths_k), hkv, dv or d)
 
     def cu(ls):
         return torch.tensor(
@@ -123,6 +125,53 @@ def test_backend_compiles_without_graph_break(backend):
 
     step(*leaves).backward()
     assert all(t.grad is not None and t.grad.isfinite().all() for t in leaves)
+
+
+def _library_case(case):
+    """A tests/libraries case as (inputs, varlen_attention keywords)."""
+    inputs = _inputs(list(case.lengths), case.h, case.hkv, case.d, dv=case.dv)
+    kwargs = dict(causal=case.causal, window_size=case.window, softcap=case.softcap)
+    if case.softmax_scale is not None:
+        kwargs["softmax_scale"] = case.softmax_scale
+    return inputs, kwargs
+
+
+@_requires("fa4")
+@pytest.mark.parametrize("name", sorted(library_cases.FA4_CASES))
+def test_fa4_library_case_matches_sdpa(name):
+    """The calls tests/libraries compiles for SM90 / SM100 without a GPU, run by FA4's kernels."""
+    case = library_cases.FA4_CASES[name]
+    (q, k, v, *rest), kwargs = _library_case(case)
+    dout = torch.randn_like(q[..., : case.dv])
+    if not case.backward:
+        out, lse = varlen_attention(q, k, v, *rest, backend="fa4", **kwargs)
+        ref_out, ref_lse = varlen_attention(q, k, v, *rest, backend="sdpa", **kwargs)
+        _close(out, ref_out)
+        torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=1e-3)
+        return
+    out, lse, grads = _run("fa4", q, k, v, *rest, dout=dout, **kwargs)
+    ref_out, ref_lse, ref_grads = _run("sdpa", q, k, v, *rest, dout=dout, **kwargs)
+    _close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=1e-3)
+    for got, ref in zip(grads, ref_grads, strict=True):
+        _close(got, ref, rel=5e-2)
+
+
+@_requires("fa4")
+@pytest.mark.parametrize("name", sorted(library_cases.FA4_REFUSED))
+def test_fa4_library_refusal_on_device(name):
+    """The calls FA4 refuses on this architecture fail before any launch, as on CPU."""
+    case = library_cases.FA4_REFUSED[name]
+    major, minor = torch.cuda.get_device_capability()
+    if f"sm_{major}{minor}" not in case.arches:
+        pytest.skip(f"FA4 refuses {name} on {', '.join(case.arches)} only")
+    (q, k, v, *rest), kwargs = _library_case(case)
+    if not case.backward:
+        with pytest.raises(ValueError, match="cannot run head dims"):
+            varlen_attention(q, k, v, *rest, backend="fa4", **kwargs)
+        return
+    with pytest.raises(AssertionError, match="softcap"):
+        _run("fa4", q, k, v, *rest, dout=torch.randn_like(q), **kwargs)
 
 
 # prime-rl's calls (src/prime_rl/trainer/models/layers/attn.py, see tests/compat): the op by name,

@@ -8,6 +8,7 @@ import tempfile
 
 import pytest
 import torch
+from libraries import cases as library_cases
 
 from prime_ops import deepep, fp8, quack
 
@@ -114,6 +115,34 @@ def test_quack_gated_mlp_matches_cpu_reference(grouped):
     cuda = [t.cuda().requires_grad_() for t in (x, w_gate_up, w_down)]
     ref = quack.gated_mlp(*cpu, offsets)
     out = quack.gated_mlp(*cuda, None if offsets is None else offsets.cuda())
+    g = torch.randn(ref.shape, generator=gen).bfloat16()
+    ref.backward(g)
+    out.backward(g.cuda())
+    _close(out, ref.detach(), 0.02)
+    for got, want in zip(cuda, cpu, strict=True):
+        _close(got.grad, want.grad, 0.02)
+
+
+@_needs("quack.gemm_interface")
+@pytest.mark.parametrize("name", sorted(library_cases.QUACK_CASES))
+def test_quack_library_case_matches_cpu_reference(name):
+    """The GEMMs tests/libraries drives through QuACK's host checks, run by QuACK's kernels."""
+    case = library_cases.QUACK_CASES[name]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(case.m, case.k, generator=gen).bfloat16()
+    lead = (len(case.counts),) if case.counts else ()
+    w = (torch.randn(*lead, case.n, case.k, generator=gen) / 16).bfloat16()
+    tensors = [x, w]
+    if case.bias:
+        tensors.append(torch.randn(case.n, generator=gen).bfloat16())
+    cpu = [t.clone().requires_grad_() for t in tensors]
+    cuda = [t.cuda().requires_grad_() for t in tensors]
+    if case.counts:
+        offsets = torch.tensor(case.counts).cumsum(0).int()
+        ref = quack.grouped_linear(*cpu, offsets)
+        out = quack.grouped_linear(*cuda, offsets.cuda())
+    else:
+        ref, out = quack.linear(*cpu), quack.linear(*cuda)
     g = torch.randn(ref.shape, generator=gen).bfloat16()
     ref.backward(g)
     out.backward(g.cuda())
