@@ -359,7 +359,8 @@ def _all_to_all_single_async(
     _issued += 1
     _pending[_issued] = (work, src)
     handle = torch.tensor([_issued], dtype=torch.int64)
-    weakref.finalize(handle, _drop, _issued)
+    # not at interpreter exit: the group may be gone by then, and nothing is left to free
+    weakref.finalize(handle, _drop, _issued).atexit = False
     return out, handle
 
 
