@@ -5,7 +5,8 @@
 # prime_ac, attention) and the eager-overhead benchmark; writes logs and JSON under $OUT and
 # prints one short table last. Every step runs under `timeout` within one overall budget, and
 # the steps after a failure still run. Without CUDA the GPU steps skip (the script checks itself
-# on a CPU machine that way).
+# on a CPU machine that way). tests/gpu runs the FA4 and QuACK calls of tests/libraries/cases.py
+# with real kernels: the calls tests/libraries compiles on CPU for SM90 and SM100.
 #
 #   scripts/gpu_check.sh --prepare     # here, with network: fetch the kernel-library wheels into
 #                                      # build/gpu_wheels when they fit the device tool's limit
