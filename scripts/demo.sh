@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The README's demo command: one training step per checkpoint mode on the built-in tiny models, in
-# a virtual environment made on the first run (torch 2.13.0, CPU) and reused afterwards.
+# The README's demo command: one training step per checkpoint mode on the built-in models
+# (Llama-sized blocks by default, --tiny for the tiny ones), in a virtual environment made on the
+# first run (torch 2.13.0, CPU) and reused afterwards.
 #
 #   bash scripts/demo.sh [--fresh] [DEMO ARGS...]     (python -m prime_ac demo --help)
 #

@@ -27,14 +27,35 @@ def small_results():
 
 @pytest.fixture
 def demo_cli(monkeypatch, capsys, small_results):
-    """Run ``python -m prime_ac demo ARGS`` in-process on the small models; return stdout."""
-    monkeypatch.setattr(prime_ac.demo, "compare_modes", lambda kind, repeats: small_results[kind])
+    """Run ``python -m prime_ac demo ARGS`` in-process on the small models; return stdout. The
+    calls of compare_modes are recorded in ``run.calls``."""
+    calls = []
+
+    def small(kind, repeats, **sizes):
+        calls.append((kind, repeats, sizes))
+        return small_results[kind]
+
+    monkeypatch.setattr(prime_ac.demo, "compare_modes", small)
 
     def run(*args):
+        calls.clear()
         assert main(["demo", *args]) == 0
         return capsys.readouterr().out
 
+    run.calls = calls
     return run
+
+
+def test_demo_runs_llama_sized_blocks_by_default_and_the_tiny_models_with_tiny(demo_cli):
+    out = demo_cli()
+    assert demo_cli.calls == [(kind, 5, prime_ac.demo.SIZES[kind]) for kind in ("dense", "moe")]
+    assert all(
+        sizes["dim"] == 512 and sizes["seq_len"] == 512 for sizes in prime_ac.demo.SIZES.values()
+    )
+    assert "a step's time is in its FLOPs" in out
+    out = demo_cli("--tiny", "--model", "moe", "--repeats", "2")
+    assert demo_cli.calls == [("moe", 2, prime_ac.demo.TINY_SIZES["moe"])]
+    assert "On models this small (--tiny)" in out
 
 
 def test_demo_cli_prints_a_table_per_model_with_exact_gradients(demo_cli):
@@ -140,7 +161,8 @@ def test_the_readme_shows_the_demos_counts_and_summary():
     from prime_ac.demo import format_table, summary
 
     readme = (Path(__file__).parents[1] / "README.md").read_text()
-    report = {kind: compare_modes(kind, repeats=1) for kind in ("dense", "moe")}
+    sizes = prime_ac.demo.SIZES
+    report = {kind: compare_modes(kind, repeats=1, **sizes[kind]) for kind in ("dense", "moe")}
     for kind, results in report.items():
         for line in format_table(kind, results, 1).splitlines()[3:]:
             counts = line[: line.index("e+") + 4]  # up to the gradient difference, 0.0e+00
