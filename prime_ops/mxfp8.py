@@ -44,6 +44,8 @@ mandatory set; selective checkpointing keeps it through the ``prime_rl_collectiv
 
 from __future__ import annotations
 
+import importlib.metadata
+import re
 from collections.abc import Sequence
 
 import torch
@@ -154,14 +156,30 @@ def _torchao_quantize(x: Tensor, scale_rule: str) -> tuple[Tensor, Tensor]:
     return data, scale.view(SCALE_DTYPE)
 
 
+def _installed_torchao() -> tuple[int, int] | None:
+    """torchao's (major, minor), read without importing it; None if it is not installed."""
+    try:
+        release = importlib.metadata.version("torchao")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    match = re.match(r"(\d+)\.(\d+)", release)
+    return (int(match[1]), int(match[2])) if match else None
+
+
 def _torchao_cast_missing(device: torch.device) -> str | None:
-    """Why torchao has no MX cast on ``device`` (its import-time gate), or None where it has one
-    or where the device cannot be known (fake tensors traced without CUDA)."""
+    """Why torchao has no MX cast on ``device`` (its import-time gate: SM100+ with CUDA 12.8+,
+    or MI350 from 0.17 on), or None where it has one or where the device cannot be known (fake
+    tensors traced without CUDA)."""
     if not torch.cuda.is_available():
         return None
     if torch.version.hip:
         arch = torch.cuda.get_device_properties(device).gcnArchName
-        return None if "gfx950" in arch else f"ROCm {arch} (torchao needs MI350, gfx950)"
+        if "gfx950" not in arch:
+            return f"ROCm {arch} (torchao needs MI350, gfx950)"
+        version = _installed_torchao()
+        if version is not None and version < (0, 17):
+            return f"MI350 with torchao {'.'.join(map(str, version))} (MI350: torchao 0.17+)"
+        return None
     major, minor = torch.cuda.get_device_capability(device)
     if major < 10:
         return f"SM{major}{minor} (torchao needs SM100 or newer)"

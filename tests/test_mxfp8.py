@@ -177,6 +177,19 @@ def test_torchao_quantizer_refused_where_torchao_has_no_cast(
     _check_quantizer(x, "torch")  # the quantizer the error names works there
 
 
+@pytest.mark.parametrize("version, refused", [((0, 16), True), ((0, 17), False), (None, False)])
+def test_mi350_needs_torchao_0_17(monkeypatch, version, refused):
+    """torchao 0.16's gate has no ROCm branch; 0.17 added MI350 (gfx950)."""
+    x = _fake_cuda_bf16()
+    _simulate_device(monkeypatch, (9, 5), None, "6.4", "gfx950:sramecc+:xnack-")
+    monkeypatch.setattr("prime_ops.mxfp8._installed_torchao", lambda: version)
+    if not refused:
+        _check_quantizer(x, "torchao")
+        return
+    with pytest.raises(ValueError, match="MI350 with torchao 0.16"):
+        _check_quantizer(x, "torchao")
+
+
 def test_torchao_quantizer_refused_before_the_exchange(monkeypatch):
     """On SM90 the front raises while checking, before the op or any all-to-all runs."""
     x = _fake_cuda_bf16()
