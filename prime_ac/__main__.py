@@ -1,4 +1,4 @@
-"""Command line: python -m prime_ac demo and python -m prime_ac audit (CPU, built-in tiny models)."""
+"""Command line: python -m prime_ac demo, audit and plan (CPU, built-in tiny models)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def _positive_int(text: str) -> int:
 
 def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     parser = argparse.ArgumentParser(prog="python -m prime_ac", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,audit}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,audit,plan}")
     demo = commands.add_parser(
         "demo",
         formatter_class=_Help,
@@ -93,7 +93,62 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     audit.add_argument(
         "--json", action="store_true", help="print only the report, as JSON (default: a table)"
     )
+    plan = commands.add_parser(
+        "plan",
+        formatter_class=_Help,
+        help="plan keep / offload / replay per operator call under a peak-memory budget",
+        description="Profile one step of a built-in model and print, per block and operator "
+        "call, what the peak planner (prime_ac.planner) chooses, its bytes, each block's "
+        "predicted exposed copy time and the predicted peak.",
+    )
+    plan.add_argument(
+        "--budget", required=True, help="peak activation memory, e.g. 24GiB (required: no default)"
+    )
+    plan.add_argument("--model", choices=["dense", "moe"], default="dense", help="built-in model")
+    plan.add_argument(
+        "--bandwidth",
+        type=float,
+        default=None,
+        help="host-device copy bandwidth in bytes/s (default: prime_ac.planner.DEFAULT_BANDWIDTH)",
+    )
+    plan.add_argument(
+        "--host-cap",
+        default=None,
+        help="most host memory to offload to, e.g. 64GiB (default: no cap)",
+    )
+    parser.plan_parser = plan  # type: ignore[attr-defined]
     return parser, audit
+
+
+def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import torch
+
+    import prime_ac
+    from prime_ac import planner
+    from prime_ac.budget import profiles
+    from prime_ac.models import build_model
+
+    try:
+        budget = planner.parse_bytes(args.budget, "--budget")
+        host_cap = (
+            None if args.host_cap is None else planner.parse_bytes(args.host_cap, "--host-cap")
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    model = build_model(args.model)
+    tokens = torch.randint(
+        0, model.cfg.vocab_size, (4, 129), generator=torch.Generator().manual_seed(0)
+    )
+    prime_ac.checkpoint_blocks(model, mode="full")
+    report = prime_ac.audit(model, lambda m: m.loss(tokens))
+    chosen = planner.plan(
+        profiles(report),
+        budget,
+        bandwidth=args.bandwidth or planner.DEFAULT_BANDWIDTH,
+        host_cap=host_cap,
+    )
+    print(chosen.table())
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
 
         kinds = ["dense", "moe"] if args.model == "both" else [args.model]
         return demo_main(kinds, args.json, repeats=args.repeats, tiny=args.tiny)
+    if args.command == "plan":
+        return _plan(args, parser.plan_parser)
     if args.targets == "auto" and (args.budget is None or args.mode != "selective"):
         audit.error("--targets auto needs --mode selective (the default) and --budget FRACTION")
     if args.budget is not None and args.targets != "auto":

@@ -349,7 +349,8 @@ def profiles(report: Any) -> list[planner.BlockProfile]:
                 kind = "plain"
             # a call the recompute never reaches saves nothing when kept
             seconds = c.flops / FLOP_RATE if c.replayed and kind != "view" else 0.0
-            calls.append(planner.Call(op_name(c.op), c.index, c.bytes, seconds, kind))
+            size = 0 if kind == "view" else c.bytes  # a view or an in-place write: no new bytes
+            calls.append(planner.Call(op_name(c.op), c.index, size, seconds, kind))
         blocks.append(planner.BlockProfile(name, tuple(calls), base))
     return planner.agree(blocks)
 

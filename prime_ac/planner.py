@@ -16,9 +16,9 @@ plan costs (replayed compute plus copy time no compute hides). The held bytes ar
 same way whatever the copy bandwidth turns out to be, so a plan made on a wrong bandwidth still
 meets its budget; the bandwidth moves only the time.
 
-:func:`plan` is a greedy over a fixed order of upgrades (replay -> offload, then offload ->
-keep; by replay time saved per byte): each upgrade is taken when the step still fits the budget
-and the host cap and the step gets no slower. Since the order does not depend on the budget and
+:func:`plan` is a greedy over a fixed order of upgrades (replay -> offload, then replay ->
+keep, then offload -> keep; each pass by replay time saved per byte): an upgrade is taken when
+the step still fits the budget and the host cap and gets faster (offload -> keep: no slower). Since the order does not depend on the budget and
 no upgrade lowers any point's bytes, a smaller budget never gives a larger peak. Mandatory,
 random and collective calls are kept or offloaded, never replayed; views and parameters are
 never offloaded.
@@ -189,7 +189,7 @@ class Plan:
     decisions: list[list[str]]
     budget: int
     host_cap: int
-    bandwidth: float
+    bandwidth: float  # what copy times were planned at (the estimate less its error margin)
     simulation: Simulation
     fits: bool  # False: even the least memory the rules allow exceeds the budget
     measured: int | None = None  # the peak a step with this plan held (prime_ac.budget)
@@ -258,15 +258,22 @@ def plan(
     *,
     bandwidth: float = DEFAULT_BANDWIDTH,
     host_cap: int | None = None,
+    bandwidth_error: float = 0.3,
 ) -> Plan:
     """Choose keep / offload / replay per call so the step's peak stays within ``budget`` bytes.
 
-    ``host_cap`` bounds the host bytes (default: unbounded). Example::
+    ``host_cap`` bounds the host bytes (default: unbounded). Copy times are planned at
+    ``bandwidth * (1 - bandwidth_error)``: a bandwidth estimate up to 30% too high still gives
+    a plan whose copies cost no more than predicted (the peak does not depend on it).
+    Example::
 
         p = plan([BlockProfile("layers.0", (Call("aten::mm", 0, 2**20, 1e-4),))], 2**21)
         p.decisions  # [['keep']]
     """
+    if not 0 <= bandwidth_error < 1:
+        raise ValueError(f"bandwidth_error={bandwidth_error!r} must lie in [0, 1)")
     blocks = list(blocks)
+    bandwidth *= 1 - bandwidth_error
     cap = math.inf if host_cap is None else host_cap
     decisions = _least(blocks, int(min(cap, 2**62)))
     sim = simulate(blocks, decisions, bandwidth)
@@ -277,14 +284,17 @@ def plan(
             -blocks[ij[0]].calls[ij[1]].seconds / max(blocks[ij[0]].calls[ij[1]].bytes, 1)
         ),
     )
-    for step in ((REPLAY, OFFLOAD), (OFFLOAD, KEEP), (REPLAY, KEEP)):
+    for step in ((REPLAY, OFFLOAD), (REPLAY, KEEP), (OFFLOAD, KEEP)):
         for i, j in order:
             call = blocks[i].calls[j]
             if decisions[i][j] != step[0] or step[1] not in call.choices():
                 continue
             decisions[i][j] = step[1]
             trial = simulate(blocks, decisions, bandwidth)
-            if trial.peak <= budget and trial.host_bytes <= cap and trial.cost <= sim.cost:
+            # from replay: only when the step gets faster; offload -> keep also when no
+            # slower (it frees the host and the link)
+            faster = trial.cost < sim.cost or (step[0] == OFFLOAD and trial.cost <= sim.cost)
+            if trial.peak <= budget and trial.host_bytes <= cap and faster:
                 sim = trial
             else:
                 decisions[i][j] = step[0]

@@ -66,7 +66,7 @@ def test_peak_plans_give_no_ac_gradients_and_smaller_budgets_smaller_peaks(base)
 def test_offloaded_plan_holds_less_than_keeping_it(base):
     model, x, _ = base
     loose, _ = _planned(base, "1GiB")
-    tight, plans = _planned(base, "160KiB")
+    tight, plans = _planned(base, "120KiB")
     assert any(p.offloaded for p in plans)
     offloader = next(p.offloader for p in plans if p.offloader is not None)
     held_tight = measure_peak(tight, lambda m: _step(m, x), lambda: offloader.ledger.host)
@@ -92,3 +92,15 @@ def test_plan_table_names_every_decision(base):
     assert "exposed copy time" in table
     for decision in {d for row in plans[0].peak.decisions for d in row}:
         assert decision in table
+
+
+def test_plan_command_prints_decisions_and_peak(capsys):
+    from prime_ac.__main__ import main
+
+    assert main(["plan", "--budget", "6MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted peak" in out and "(budget 6.00 MiB)" in out
+    assert "offload" in out and "replay" in out and "exposed copy time" in out
+    with pytest.raises(SystemExit):
+        main(["plan", "--budget", "6 furlongs"])
+    assert "--budget='6 furlongs'" in capsys.readouterr().err
