@@ -47,6 +47,7 @@ __all__ = [
     "grouped_fp8_gemm",
     "grouped_fp8_gemm_nt",
     "quantize_blockwise",
+    "wgrad_accumulators",
 ]
 
 BLOCK = 128
