@@ -1,0 +1,160 @@
+"""prime_ac's offload action on CUDA (prime_ac.offload): streams, the pinned buffer, peaks.
+
+The CPU suite checks decisions, gradients and the ledger with host copies made at once; here
+the copies run on a side stream into one pinned buffer. Races are provoked by putting
+``torch.cuda._sleep`` on the copy stream ahead of every copy: a missing wait shows as wrong
+gradients. Times are printed, never asserted.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import prime_ac
+from prime_ac.budget import budget_context_fn
+from prime_ac.offload import Offloader
+from prime_ac.wrapping import checkpoint_state, wrap_block
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+DIM, TOKENS, LAYERS = 1024, 4096, 6
+SLEEP_CYCLES = 20_000_000  # about 10 ms at H200 clocks: longer than a block's compute
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(DIM, 4 * DIM)
+        self.down = nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x):
+        h = self.up(x)
+        h = nn.functional.gelu(h)
+        h.mul_(0.5)  # an in-place write to a result a plan may keep
+        return x + self.down(h)
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.float().square().mean()
+
+
+class SlowCopies(Offloader):
+    """Every copy waits behind a sleep on the copy stream."""
+
+    def _copy_out(self, kept, leaves, nbytes):
+        with torch.cuda.stream(self._side_stream(leaves[0].device)):
+            torch.cuda._sleep(SLEEP_CYCLES)
+        return super()._copy_out(kept, leaves, nbytes)
+
+    def _copy_in(self, entry):
+        if entry.back is None and entry.host:
+            with torch.cuda.stream(self._side_stream(torch.device("cuda"))):
+                torch.cuda._sleep(SLEEP_CYCLES)
+        return super()._copy_in(entry)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    torch.use_deterministic_algorithms(True)
+    torch.manual_seed(0)
+    model = Model().cuda().bfloat16()
+    x = torch.randn(TOKENS, DIM, device="cuda", dtype=torch.bfloat16)
+    reference = copy.deepcopy(model)
+    reference(x).backward()
+    expected = {n: p.grad.clone() for n, p in reference.named_parameters()}
+    yield model, x, expected
+    torch.use_deterministic_algorithms(False)
+
+
+def _offload_everything(model, x, offloader):
+    """Each block keeps its matmul results by offloading them all."""
+    prime_ac.checkpoint_blocks(model, mode="full")
+    report = prime_ac.audit(model, lambda m: m(x))
+    for name in report.blocks:
+        block = model.get_submodule(name)
+        state = checkpoint_state(block)
+        calls = frozenset((c.op, c.index) for c in report.calls[name] if c.flops > 0)
+        fn = budget_context_fn(state.policy, frozenset(), f"block {name!r}", calls, offloader)
+        wrap_block(block, dataclasses.replace(state, context_fn=fn))
+
+
+@pytest.mark.parametrize("offloader_class", [Offloader, SlowCopies])
+def test_offloaded_gradients_bitwise_with_slow_copy_streams(setup, offloader_class):
+    model, x, expected = setup
+    model = copy.deepcopy(model)
+    offloader = offloader_class(2**31)
+    _offload_everything(model, x, offloader)
+    for _ in range(3):
+        model.zero_grad()
+        model(x).backward()
+        torch.cuda.synchronize()
+        for n, p in model.named_parameters():
+            assert torch.equal(p.grad, expected[n]), n
+    assert offloader.ledger.offloaded > 0
+    assert offloader.ledger.host == 0 and offloader.ledger.device == 0
+    # one pinned buffer, allocated once for all three steps
+    assert offloader.buffer_allocations == 1 and offloader.buffer.is_pinned()
+
+
+def test_max_inflight_bounds_the_copies(setup):
+    model, x, expected = setup
+    model = copy.deepcopy(model)
+    offloader = SlowCopies(2**31, max_inflight=1)
+    _offload_everything(model, x, offloader)
+    model(x).backward()
+    largest = TOKENS * 4 * DIM * 2  # the up projection's bf16 output
+    assert 0 < offloader.ledger.peak_device <= largest
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, expected[n]), n
+
+
+def _step_ms(model, x, steps=3):
+    model.zero_grad()
+    model(x).backward()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        model(x).backward()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / steps
+
+
+def test_predicted_and_measured_peak_and_step_times(setup):
+    model, x, _ = setup
+    results = {}
+    for name, kwargs in {
+        "full": {"mode": "full"},
+        "selective": {"mode": "selective"},
+        "peak 1GiB": {
+            "mode": "selective",
+            "targets": "auto",
+            "budget": "1GiB",
+            "profile": lambda mm: mm(x),
+        },
+    }.items():
+        m = copy.deepcopy(model)
+        prime_ac.checkpoint_blocks(m, **kwargs)
+        plans = [layer._prime_ac.plan for layer in m.layers]
+        peak = plans[0].peak if plans[0] is not None else None
+        results[name] = (_step_ms(m, x), peak)
+        if peak is not None:
+            assert peak.measured is not None and peak.measured > 0
+            print(f"{name}: predicted {peak.simulation.peak:,} B, measured {peak.measured:,} B")
+    for name, (ms, _) in results.items():
+        print(f"{name}: {ms:.2f} ms per step")
