@@ -39,27 +39,12 @@ __all__ = ["SIZES", "TINY_SIZES", "ModeResult", "compare_modes", "format_table"]
 
 MODES = ("none", "plain", "full", "selective")
 
-# compare_modes' sizes per model: the default, and --tiny (the built-in models as they are).
+# compare_modes' sizes per model: the default (Llama-sized blocks), and --tiny (the built-in
+# models as they are).
+_WIDE = {"batch": 1, "seq_len": 512, "n_layers": 2, "dim": 512, "n_heads": 8, "n_kv_heads": 4}
 SIZES = {
-    "dense": {
-        "batch": 1,
-        "seq_len": 512,
-        "n_layers": 2,
-        "dim": 512,
-        "n_heads": 8,
-        "n_kv_heads": 4,
-        "hidden_dim": 1376,  # Llama's 8/3 of the width
-    },
-    "moe": {
-        "batch": 1,
-        "seq_len": 512,
-        "n_layers": 2,
-        "dim": 512,
-        "n_heads": 8,
-        "n_kv_heads": 4,
-        "hidden_dim": 768,
-        "n_experts": 4,
-    },
+    "dense": {**_WIDE, "hidden_dim": 1376},  # Llama's 8/3 of the width
+    "moe": {**_WIDE, "hidden_dim": 768, "n_experts": 4},
 }
 TINY_SIZES = {"dense": {"batch": 4, "seq_len": 128}, "moe": {"batch": 4, "seq_len": 128}}
 
