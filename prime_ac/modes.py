@@ -62,6 +62,10 @@ class Rules:
         self.actions: dict[Any, Action] = {}
         self.writes: dict[Any, tuple[tuple[int, str], ...] | None] = {}
         self.watch, self.block = watch, block
+        # call indices of kept operators the first step found no backward reads (neither they
+        # nor a view of them saved: a frozen LoRA base's GEMM), replayed from then on
+        # (prime_ac.watch.Watch drops them)
+        self.dropped: dict[Any, set[int]] = {}
         self._classify = policy.classify if isinstance(policy, OperatorPolicy) else None
 
     def action(self, op: Any) -> Action:
@@ -122,6 +126,9 @@ class KeepMode(_RegionMode):
             index = calls.get(key, 0)
             calls[key] = index + 1
             if action in _PER_CALL and not self._keeps_call(action, func, index, args, kwargs, out):
+                return out
+            dropped = self.rules.dropped
+            if dropped and index in dropped.get(key, ()):
                 return out
             if action is _KEEP_WRITTEN:  # it returns nothing: what it wrote is its result
                 kept = tuple(written_tensors(self.rules.writes[func], args, kwargs))

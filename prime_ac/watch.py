@@ -102,6 +102,9 @@ class Watch:
         self.bytes: dict[str, tuple[int, int]] = {}  # block -> (kept, held without AC)
         self.ledger = Ledger()
         self.replayed_communication: dict[str, str] = {}  # block -> a collective it replays
+        # block -> (its first forward's store, its rules): for dropping kept results no
+        # backward reads once every block ran (_drop_unread)
+        self.stores: dict[str, tuple[Any, Any]] = {}
         # bypass(block, why) makes a block run without checkpointing from its next forward on;
         # None keeps checkpointing it (checkpoint_blocks(..., skip_worse=False)) and warns
         self.bypass = bypass
@@ -120,11 +123,62 @@ class Watch:
         self.pending.discard(block)
         self.kept[block] = kept
         if not self.pending:
+            self._drop_unread()
             no_ac = self.ledger.no_ac_bytes()
             self.bytes = {b: (k, no_ac.get(b, 0)) for b, k in self.kept.items()}
             self.ledger = Ledger()  # the storages' records are no longer needed
             self._report()
             self._verdict()
+
+    def _drop_unread(self) -> None:
+        """In a block that holds more than no AC would for it, drop the kept results autograd
+        saved nothing of (not they, not a view of them) in any block's first forward: no
+        backward reads them, so no AC would not hold them (a frozen LoRA base's GEMM, whose
+        output only feeds an add). They replay from now on, in this step's recompute too, so the
+        block holds only storages no AC holds as well. Only results kept because a target named
+        them; mandatory, planned and per-call decisions stay. A block holding no more than no AC
+        keeps what it was asked to (prime-rl's bytes)."""
+        stores, self.stores = self.stores, {}
+        dropped_bytes = dropped_calls = 0
+        remaining: list[torch.Tensor] = []
+        for block, (ref, rules) in stores.items():
+            store = ref()
+            if store is None or store.replay_calls or store.offloader is not None:
+                continue
+            with_ac, without_ac = self.ledger.held(block)
+            if with_ac <= without_ac:  # what it keeps costs no more than no AC: kept as asked
+                remaining += [
+                    t for es in store.entries.values() for e in es.values() for t in e.tensors
+                ]
+                continue
+            for key, entries in list(store.entries.items()):
+                if rules.actions.get(key) not in (Action.KEEP, Action.KEEP_WRITTEN):
+                    remaining += [t for e in entries.values() for t in e.tensors]
+                    continue
+                for index, entry in list(entries.items()):
+                    if any(self.ledger.read_by_backward(t) for t in entry.tensors):
+                        remaining += entry.tensors
+                        continue
+                    del entries[index]
+                    store.stored -= 1
+                    rules.dropped.setdefault(key, set()).add(index)
+                    dropped_calls += 1
+                    dropped_bytes += sum(_storages(entry.tensors).values())
+                if not entries:
+                    del store.entries[key]
+            tensors = [
+                t for entries in store.entries.values() for e in entries.values() for t in e.tensors
+            ]
+            self.kept[block] = sum(_storages(tensors).values())
+        if dropped_calls:
+            self.ledger.rekept(remaining)
+            logger.info(
+                "prime_ac: %d kept result(s), %s, were read by no backward on the first step "
+                "(as a frozen base's GEMM output): they replay from now on, so no block keeps "
+                "what no AC would not hold",
+                dropped_calls,
+                _mib(dropped_bytes),
+            )
 
     def worse_than_no_ac(self) -> list[str]:
         """Blocks whose kept results reach what no AC holds for them, where that matters: at
@@ -307,6 +361,32 @@ class Ledger:
             if entry is not None:
                 entry.kept = True
 
+    def held(self, block: str) -> tuple[int, int]:
+        """What ``block``'s storages hold now (its kept results, its output), and what they
+        would hold without AC (what autograd saved, and what is alive but not kept)."""
+        with_ac = without_ac = 0
+        for entry in self.created:
+            if entry.block != block:
+                continue
+            alive = entry.alive()
+            with_ac += entry.nbytes if alive else 0
+            without_ac += entry.nbytes if entry.saved or (alive and not entry.kept) else 0
+        return with_ac, without_ac
+
+    def read_by_backward(self, t: Any) -> bool:
+        """Whether autograd saved ``t``'s storage (or a view of it) in a watched forward; True
+        for a storage the ledger does not know (not created by a watched block: kept as is)."""
+        if not isinstance(t, torch.Tensor):
+            return False
+        entry = self._live(t)
+        return entry is None or entry.saved
+
+    def rekept(self, tensors: Any) -> None:
+        """The storages still kept, after some kept results were dropped."""
+        for entry in self.created:
+            entry.kept = False
+        self.kept(tensors)
+
     def no_ac_bytes(self) -> dict[str, int]:
         """Per block, what no AC would hold for it; call once every watched block returned."""
         held: dict[str, int] = {}
@@ -374,6 +454,7 @@ class MeasuringKeepMode(KeepMode):
             self.kept_bytes = sum(_storages(tensors).values())
             if self._ledger is not None:
                 self._ledger.kept(tensors)
+                self.rules.watch.stores[self.rules.block] = (weakref.ref(self.store), self.rules)
             self.measured()
         return result
 

@@ -21,8 +21,9 @@ from torch import nn
 
 import prime_ac
 from prime_ac.actions import Action
-from prime_ac.wrapping import checkpoint_state
+from prime_ac.measure import track_step
 from prime_ac.models import build_model
+from prime_ac.wrapping import checkpoint_state
 
 
 class Biased(nn.Module):
@@ -114,6 +115,11 @@ def _lora_stack():
     return _stack(lambda: LoRA(dim=256)), torch.randn(1024, 256, requires_grad=True)
 
 
+# The frozen matmuls' outputs made mandatory: no backward reads them, but mandatory results are
+# never dropped, so these blocks stay above no AC after the first step (the bypass's case)
+UNREAD_MANDATORY = {"mandatory": ["aten::addmm"]}
+
+
 def _bypassed(caplog):
     return [r.getMessage() for r in caplog.records if "runs without checkpointing" in r.message]
 
@@ -123,7 +129,7 @@ def test_a_block_holding_at_least_no_ac_runs_without_checkpointing_from_then_on(
     model, x = _lora_stack()
     reference = copy.deepcopy(model)
     _step(reference, x)
-    prime_ac.checkpoint_blocks(model, mode="selective")
+    prime_ac.checkpoint_blocks(model, mode="selective", **UNREAD_MANDATORY)
     caplog.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # logged, not warned
@@ -159,7 +165,7 @@ def test_a_block_holding_at_least_no_ac_runs_without_checkpointing_from_then_on(
 
 def test_skip_worse_false_keeps_checkpointing_and_warns():
     model, x = _lora_stack()
-    prime_ac.checkpoint_blocks(model, mode="selective", skip_worse=False)
+    prime_ac.checkpoint_blocks(model, mode="selective", skip_worse=False, **UNREAD_MANDATORY)
     with pytest.warns(UserWarning, match=r"block '0' keeps .* without checkpointing autograd"):
         _step(model, x)
     assert not any(checkpoint_state(block).bypassed for block in model)
@@ -172,7 +178,7 @@ def test_blocks_below_the_reported_size_are_silent_and_stay_checkpointed(caplog)
     """A tiny LoRA stack keeps more than no AC too, but a few KiB: not worth a word."""
     caplog.set_level(logging.WARNING, logger="prime_ac")
     model, x = _stack(LoRA), torch.randn(8, 64, requires_grad=True)
-    prime_ac.checkpoint_blocks(model, mode="selective")
+    prime_ac.checkpoint_blocks(model, mode="selective", **UNREAD_MANDATORY)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _step(model, x)
@@ -183,7 +189,7 @@ def test_blocks_below_the_reported_size_are_silent_and_stay_checkpointed(caplog)
 
 def test_a_validation_pass_is_no_first_step():
     model, x = _lora_stack()
-    prime_ac.checkpoint_blocks(model, mode="selective")
+    prime_ac.checkpoint_blocks(model, mode="selective", **UNREAD_MANDATORY)
     with torch.no_grad():
         model(x)
     assert checkpoint_state(model[0]).watch.bytes == {}
@@ -271,7 +277,7 @@ def _several_ranks_keep_a_block_that_replays_a_collective(rank, world_size):
     reference = copy.deepcopy(model)
     x = torch.randn(1024, 256, requires_grad=True, generator=torch.Generator().manual_seed(rank))
     _step(reference, x)
-    prime_ac.checkpoint_blocks(model, mode="selective", targets=["aten::addmm", "aten::mm"])
+    prime_ac.checkpoint_blocks(model, mode="selective", targets=["aten::mm"], **UNREAD_MANDATORY)
     with pytest.warns(
         UserWarning,
         match=r"stays checkpointed: its recompute replays prime_rl_collectives\.all_gather",
@@ -288,3 +294,118 @@ def test_on_several_ranks_a_block_replaying_a_collective_is_never_bypassed():
     from dist_utils import run_distributed
 
     run_distributed(_several_ranks_keep_a_block_that_replays_a_collective, 2, timeout=60)
+
+
+# --- kept results no backward reads: dropped where a block holds more than no AC ----------------
+
+
+class _LoRALinear(nn.Module):
+    """peft's LoRA on a frozen base linear: ``base(x) + B(A(x)) * scale``."""
+
+    def __init__(self, i: int, o: int, rank: int = 8):
+        super().__init__()
+        self.base = nn.Linear(i, o, bias=False).requires_grad_(False)
+        self.lora_A, self.lora_B = nn.Linear(i, rank, bias=False), nn.Linear(rank, o, bias=False)
+        nn.init.normal_(self.lora_B.weight, std=0.02)
+
+    def forward(self, x):
+        return self.base(x) + self.lora_B(self.lora_A(x)) * 2.0
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d), requires_grad=False)
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class _LoRALlamaLayer(nn.Module):
+    """A Llama decoder layer with LoRA on q, k, v and o (peft's target_modules), the rest frozen."""
+
+    def __init__(self, d: int = 256, heads: int = 4, ff: int = 688):
+        super().__init__()
+        self.heads = heads
+        self.input_layernorm, self.post_attention_layernorm = _RMSNorm(d), _RMSNorm(d)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (_LoRALinear(d, d) for _ in range(4))
+        self.gate_proj, self.up_proj = nn.Linear(d, ff, bias=False), nn.Linear(d, ff, bias=False)
+        self.down_proj = nn.Linear(ff, d, bias=False)
+        for frozen in (self.gate_proj, self.up_proj, self.down_proj):
+            frozen.requires_grad_(False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.input_layernorm(x)
+        q, k, v = (
+            p(h).view(b, t, self.heads, d // self.heads).transpose(1, 2)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o_proj(a.transpose(1, 2).reshape(b, t, d))
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(nn.functional.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class _LoRALlama(nn.Module):
+    def __init__(self, layers: int = 2, d: int = 256, vocab: int = 512):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d).requires_grad_(False)
+        self.layers = nn.ModuleList(_LoRALlamaLayer(d) for _ in range(layers))
+        self.norm = _RMSNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False).requires_grad_(False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return nn.functional.cross_entropy(self.head(self.norm(x)).flatten(0, 1), ids.flatten())
+
+
+def test_selective_on_a_lora_llama_holds_no_more_than_no_ac_for_the_whole_model():
+    # the peft case (LoRA on q, k, v, o of a 2-layer hidden-256 Llama, 514 tokens): selective
+    # kept the frozen base GEMMs' outputs, which no backward reads: 111.1% of no AC for the
+    # whole model while each block looked within reach of its own. The first step drops them.
+    torch.manual_seed(0)
+    reference = _LoRALlama()
+    ids = torch.randint(0, 512, (1, 514), generator=torch.Generator().manual_seed(1))
+
+    def loss(m):
+        return m(ids)
+
+    before = copy.deepcopy(reference)
+    prime_ac.checkpoint_blocks(before, mode="selective", blocks="layers")
+    as_asked = prime_ac.audit(before, loss)  # the audit's step drops nothing: the list as asked
+    assert as_asked.held_bytes > as_asked.held_bytes_no_ac  # 18,970,716 B against 17,068,916
+
+    model = copy.deepcopy(reference)
+    prime_ac.checkpoint_blocks(model, mode="selective", blocks="layers")
+    first = track_step(model, loss)[0]  # the first step already drops them, in its recompute too
+    after = prime_ac.audit(model, loss)
+    assert first == after.held_bytes <= after.held_bytes_no_ac  # 9,496,668 B: 55.6%
+    assert after.blocks_bypassed == {} and all(checkpoint_state(b).active for b in model.layers)
+    # 9 per layer: the frozen q, k, v, o, down GEMMs and the 4 adapters' up-projections
+    dropped = [checkpoint_state(b).context_fn()[0].rules.dropped for b in model.layers]
+    assert [sum(map(len, d.values())) for d in dropped] == [9, 9]
+
+    reference.zero_grad(set_to_none=True)
+    loss(reference).backward()
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        loss(model).backward()
+        assert_bitwise_equal(grads(model), grads(reference))
+
+
+def test_a_dense_block_below_no_ac_keeps_what_it_was_asked_to():
+    # prime-rl's bytes: a block holding no more than no AC drops nothing, read or not
+    tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    held = []
+    for steps in (0, 1):
+        model = build_model("dense", n_layers=2)
+        prime_ac.checkpoint_blocks(model, mode="selective")
+        for _ in range(steps):
+            model.loss(tokens).backward()
+        held.append(prime_ac.audit(model, lambda m: m.loss(tokens)).held_bytes)
+        states = [checkpoint_state(m) for m in model.modules() if checkpoint_state(m) is not None]
+        assert len(states) == 2 and all(not s.context_fn()[0].rules.dropped for s in states)
+    assert held[0] == held[1]
