@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
 from typing import NamedTuple
 
@@ -64,7 +65,7 @@ class Runs:
     """One runner process per architecture (``python cases.py LIBRARY ARCH``), all started at
     once so they compile in parallel; each one's JSON rows are read when first asked for."""
 
-    def __init__(self, library: str, arches, timeout: float = 600.0):
+    def __init__(self, library: str, arches, timeout: float = 1200.0):
         import subprocess
 
         self._timeout = timeout
@@ -184,6 +185,14 @@ def fa4_args(case: AttnCase):
 def _fa4_compile(arch: str, names) -> None:
     """Compile the named cases for ``arch`` under CUDA fake tensors; print one JSON per case."""
     os.environ.update(FA4_ARCH_ENV[arch], FLASH_ATTENTION_NUM_SMS=FA4_NUM_SMS)
+    # FA4's persistent compile cache loads without a driver: a second run takes seconds. Its
+    # entries sit under FA4's source fingerprint; one folder per architecture, since not every
+    # key names the architecture (the backward's pre-processing kernel's does not).
+    cache = os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR") or os.path.join(
+        tempfile.gettempdir(), "prime-ops-fa4-cache"
+    )
+    os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] = "1"
+    os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] = os.path.join(cache, arch)
     import torch
     from flash_attn.cute import interface
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -5,7 +5,10 @@
 ``_flash_attn_bwd`` with every host assert, then FA4's CuTe DSL compile for the architecture FA4
 is told (``FLASH_ATTENTION_ARCH``, ``CUTE_DSL_ARCH``). FA4 skips the launch itself under a fake
 mode (``flash_attn.cute.testing.is_fake_mode``), so nothing here replaces any code. Each
-architecture compiles in its own process (tests/libraries/cases.py), both at once.
+architecture compiles in its own process (tests/libraries/cases.py), both at once, into FA4's
+persistent compile cache (``$TMPDIR/prime-ops-fa4-cache``, or the folder
+``FLASH_ATTENTION_CUTE_DSL_CACHE_DIR`` names): a later run loads what an earlier one compiled
+from the same FA4 sources.
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ def fa4():
 
 @pytest.mark.parametrize(("arch", "name"), COMPILED)
 def test_prime_ops_call_compiles_in_fa4(fa4, arch, name, record_property):
-    """FA4 compiles one new kernel for the forward (and one for the backward) of the call, for
-    the architecture asked for, and returns what prime_ops' fake says the op returns."""
+    """FA4 compiles (or loads from its cache) one new kernel for the forward (and one for the
+    backward) of the call, for the architecture asked for, and returns what prime_ops' fake says
+    the op returns."""
     case = cases.FA4_CASES[name]
     row = fa4.row(arch, case=name)
     assert row["fa4_arch"] == int(arch.removeprefix("sm_"))
