@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from prime_ops.backends import import_backend
+from prime_ops.collectives import _run_checks
 from prime_ops.deepep_reference import ReferenceBuffer
 from prime_ops.devices import check_same_device
 from prime_ops.groups import Fingerprint
@@ -136,8 +137,6 @@ def _checks(op: str, group, describe) -> None:
     checked mode, alone in the default mode with the peers-may-wait hint first. A stand-in group
     (no ProcessGroup: tests) runs the checks alone."""
     if isinstance(group, dist.ProcessGroup):
-        from prime_ops.collectives import _run_checks
-
         _run_checks(op, group, describe)
     else:
         describe()
