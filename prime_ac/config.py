@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from prime_ac import tables
+from prime_ac.offload import SavedInputOffload
 from prime_ac.planner import parse_bytes
 from prime_ac.policy import MODES
 from prime_ac.scopes import parse_target
@@ -60,9 +61,13 @@ class ACConfig:
     determinism_check: str = "default"
     layer_modes: tuple[str | tuple[str, str], ...] | None = None
     preserve_rng_state: bool = True
+    # prime-rl's [trainer.model.ac_offloading] as sorted (key, value) pairs (see input_offload)
+    ac_offloading: tuple[tuple[str, Any], ...] | None = None
 
     def __post_init__(self) -> None:
         check_checkpoint_options(self.early_stop, self.determinism_check)
+        if self.ac_offloading is not None:
+            _check_offloading(dict(self.ac_offloading))
         if self.mode not in MODES:
             raise ValueError(
                 f"mode={self.mode!r} is not a checkpoint mode: use one of {list(MODES)}"
@@ -150,6 +155,24 @@ class ACConfig:
             )
         object.__setattr__(self, "layer_modes", tuple(entries))
 
+    def input_offload(self) -> SavedInputOffload | None:
+        """prime-rl's activation offloading with prime-rl's meaning: what autograd saves
+        outside the checkpointed blocks (with full AC, each block's input) goes to host memory,
+        at most ``max_inflight_activations`` copies in flight, into pinned memory when
+        ``pin_memory``; done on a side stream with prefetch. None without the table.
+
+        Example::
+
+            offload = ACConfig.from_dict({"pin_memory": True}).input_offload()
+            with offload:
+                loss = model(batch)
+            loss.backward()
+        """
+        if self.ac_offloading is None:
+            return None
+        table = {**_OFFLOADING_KEYS, **dict(self.ac_offloading)}
+        return SavedInputOffload(table["pin_memory"], table["max_inflight_activations"])
+
     @classmethod
     def from_dict(cls, table: Mapping[str, Any]) -> ACConfig:
         """Read the ``[trainer.model.ac]`` table; unknown keys raise ValueError naming them.
@@ -173,6 +196,12 @@ class ACConfig:
                 f"{type(table).__name__} {table!r:.80}; for a string, parse it first "
                 "(tomllib.loads) or pass ACConfig(mode=...)"
             )
+        table = dict(table)
+        if table and set(table) <= set(_OFFLOADING_KEYS):  # [trainer.model.ac_offloading]
+            table = {"ac_offloading": table}
+        if isinstance(table.get("ac_offloading"), Mapping):
+            _check_offloading(table["ac_offloading"])
+            table["ac_offloading"] = tuple(sorted(table["ac_offloading"].items()))
         # a key or mode prime_ac's table lacks: another trainer's table, if a reader claims it
         own = {f.name for f in fields(cls)}
         if set(table) - own or table.get("mode", "full") not in MODES:
@@ -187,6 +216,26 @@ class ACConfig:
                 f"unknown activation-checkpointing key(s) {unknown}: accepted keys are {sorted(known)}"
             )
         return cls(**table)
+
+
+# prime-rl's [trainer.model.ac_offloading] keys and defaults (prime_rl/trainer/config.py)
+_OFFLOADING_KEYS = {"pin_memory": True, "max_inflight_activations": 5}
+
+
+def _check_offloading(table: Mapping[str, Any]) -> None:
+    unknown = sorted(set(table) - set(_OFFLOADING_KEYS))
+    if unknown:
+        raise ValueError(
+            f"unknown ac_offloading key(s) {unknown}: accepted keys are {sorted(_OFFLOADING_KEYS)}"
+        )
+    if not isinstance(table.get("pin_memory", True), bool):
+        raise ValueError(f"ac_offloading.pin_memory={table['pin_memory']!r} must be true or false")
+    inflight = table.get("max_inflight_activations", 5)
+    if isinstance(inflight, bool) or not isinstance(inflight, int) or inflight < 1:
+        raise ValueError(
+            f"ac_offloading.max_inflight_activations={inflight!r} must be an integer >= 1: how "
+            "many copies to the host may run at once"
+        )
 
 
 def check_checkpoint_options(early_stop: Any, determinism_check: Any) -> None:

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Ledger", "Offloader"]
+__all__ = ["Ledger", "Offloader", "SavedInputOffload"]
 
 
 @dataclass
@@ -286,6 +286,134 @@ class Offloader:
         entry.host, entry.back = [], None
 
     def _side_stream(self, device: torch.device) -> Any:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        return self._stream
+
+
+class SavedInputOffload:
+    """prime-rl's ``[trainer.model.ac_offloading]``: what autograd saves outside the
+    checkpointed regions (with full AC, each block's input) goes to host memory.
+
+    Enter it around the forward (``with offload: loss = model(batch)``). Each saved tensor
+    that owns its storage is copied to the host as it is saved (CUDA: on a side stream into a
+    pinned buffer pooled by shape and dtype, so later steps allocate nothing; the device tensor
+    is held until its copy is done, at most ``max_inflight`` copies in flight); backward brings
+    it back, and starts bringing back the tensor saved before it, which backward needs next.
+    Parameters, views and tensors with fewer than ``min_bytes`` are left where they are. On
+    CPU the host copy is a separate tensor and :attr:`ledger` counts its bytes.
+    """
+
+    def __init__(
+        self, pin_memory: bool = True, max_inflight: int | None = 5, min_bytes: int = 1024
+    ):
+        if max_inflight is not None and (
+            isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or max_inflight < 1
+        ):
+            raise ValueError(
+                f"max_inflight={max_inflight!r} must be an int >= 1 (or None: no bound)"
+            )
+        self.pin_memory, self.max_inflight, self.min_bytes = pin_memory, max_inflight, min_bytes
+        self.ledger = Ledger()
+        self._pool: dict[tuple, list[torch.Tensor]] = {}
+        self._stream: Any = None
+        self._inflight: deque[list] = deque()
+        self._saved: list[list] = []  # in save order; [host, device or None, event, back]
+        self._hooks: Any = None
+
+    def __enter__(self) -> SavedInputOffload:
+        self.step_done()  # the previous step's host buffers are free again
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if (
+            isinstance(t, torch.nn.Parameter)
+            or t._base is not None
+            or not _offloadable(t.detach())
+            or t.untyped_storage().nbytes() < self.min_bytes
+        ):
+            return t
+        nbytes = t.untyped_storage().nbytes()
+        if t.device.type == "cpu":
+            record = [t.detach().clone(), None, None, None, nbytes, len(self._saved)]
+        else:
+            host = self._host_buffer(t)
+            stream = self._side(t.device)
+            stream.wait_stream(torch.cuda.current_stream(t.device))
+            with torch.cuda.stream(stream):
+                host.copy_(t.detach(), non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            record = [host, t.detach(), event, None, nbytes, len(self._saved)]
+            self._inflight.append(record)
+            while len(self._inflight) > (self.max_inflight or len(self._inflight)) or (
+                self._inflight and self._inflight[0][2].query()
+            ):
+                done = self._inflight.popleft()
+                done[2].synchronize()
+                done[1] = None  # the device copy is dropped once its copy is done
+        self._saved.append(record)
+        self.ledger.offloaded += 1
+        self.ledger.add(host=nbytes)
+        return record
+
+    def _unpack(self, record: Any) -> torch.Tensor:
+        if isinstance(record, torch.Tensor):
+            return record
+        value = self._bring(record)
+        position = record[5]
+        if position > 0 and position - 1 < len(self._saved):
+            self._start_back(self._saved[position - 1])  # prefetch what backward needs next
+        return value
+
+    def _bring(self, record: list) -> torch.Tensor:
+        if record[1] is not None and record[2] is not None:  # still on the device
+            return record[1]
+        if record[2] is None:  # CPU
+            return record[0].clone()
+        self._start_back(record)
+        device, event = record[3]
+        torch.cuda.current_stream(device.device).wait_event(event)
+        return device
+
+    def _start_back(self, record: list) -> None:
+        if record[2] is None or record[3] is not None or record[1] is not None:
+            return
+        host = record[0]
+        device = torch.device("cuda", torch.cuda.current_device())
+        dev = torch.empty(host.shape, dtype=host.dtype, device=device)
+        stream = self._side(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            dev.copy_(host, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        record[3] = (dev, event)
+
+    def _host_buffer(self, t: torch.Tensor) -> torch.Tensor:
+        key = (tuple(t.shape), t.dtype)
+        free = self._pool.get(key)
+        if free:
+            return free.pop()
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin_memory)
+
+    def step_done(self) -> None:
+        """After backward: the host buffers go back to the pool for the next step."""
+        for record in self._saved:
+            if record[2] is not None:
+                self._pool.setdefault((tuple(record[0].shape), record[0].dtype), []).append(
+                    record[0]
+                )
+            self.ledger.add(host=-record[4])
+        self._saved = []
+        self._inflight.clear()
+
+    def _side(self, device: torch.device) -> Any:
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
         return self._stream
