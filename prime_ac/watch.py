@@ -123,49 +123,46 @@ class Watch:
         self.pending.discard(block)
         self.kept[block] = kept
         if not self.pending:
-            self._drop_unread()
+            dropped = self._drop_unread()
             no_ac = self.ledger.no_ac_bytes()
             self.bytes = {b: (k, no_ac.get(b, 0)) for b, k in self.kept.items()}
+            for block in dropped:  # still no less than no AC: the verdict bypasses it
+                with_ac, without_ac = self.ledger.held(block)
+                if with_ac >= without_ac:
+                    self.bytes[block] = (with_ac, without_ac)
             self.ledger = Ledger()  # the storages' records are no longer needed
             self._report()
             self._verdict()
 
-    def _drop_unread(self) -> None:
+    def _drop_unread(self) -> list[str]:
         """In a block that holds more than no AC would for it, drop the kept results autograd
         saved nothing of (not they, not a view of them) in any block's first forward: no
         backward reads them, so no AC would not hold them (a frozen LoRA base's GEMM, whose
         output only feeds an add). They replay from now on, in this step's recompute too, so the
         block holds only storages no AC holds as well. Only results kept because a target named
-        them; mandatory, planned and per-call decisions stay. A block holding no more than no AC
-        keeps what it was asked to (prime-rl's bytes)."""
+        them, and no collective (each rank judges by its own bytes: ranks dropping different
+        collectives would replay different ones); mandatory, planned and per-call decisions
+        stay. A block holding no more than no AC keeps what it was asked to (prime-rl's bytes).
+        Returns the blocks that dropped some."""
         stores, self.stores = self.stores, {}
         dropped_bytes = dropped_calls = 0
         remaining: list[torch.Tensor] = []
+        blocks: list[str] = []
         for block, (ref, rules) in stores.items():
             store = ref()
             if store is None or store.replay_calls or store.offloader is not None:
                 continue
             with_ac, without_ac = self.ledger.held(block)
-            if with_ac <= without_ac:  # what it keeps costs no more than no AC: kept as asked
+            if with_ac <= without_ac:  # kept as asked
                 remaining += [
                     t for es in store.entries.values() for e in es.values() for t in e.tensors
                 ]
                 continue
-            for key, entries in list(store.entries.items()):
-                if rules.actions.get(key) not in (Action.KEEP, Action.KEEP_WRITTEN):
-                    remaining += [t for e in entries.values() for t in e.tensors]
-                    continue
-                for index, entry in list(entries.items()):
-                    if any(self.ledger.read_by_backward(t) for t in entry.tensors):
-                        remaining += entry.tensors
-                        continue
-                    del entries[index]
-                    store.stored -= 1
-                    rules.dropped.setdefault(key, set()).add(index)
-                    dropped_calls += 1
-                    dropped_bytes += sum(_storages(entry.tensors).values())
-                if not entries:
-                    del store.entries[key]
+            calls, nbytes, kept = self._drop_from(store, rules)
+            remaining += kept
+            if calls:
+                dropped_calls, dropped_bytes = dropped_calls + calls, dropped_bytes + nbytes
+                blocks.append(block)
             tensors = [
                 t for entries in store.entries.values() for e in entries.values() for t in e.tensors
             ]
@@ -179,6 +176,32 @@ class Watch:
                 dropped_calls,
                 _mib(dropped_bytes),
             )
+        return blocks
+
+    def _drop_from(self, store: Any, rules: Any) -> tuple[int, int, list[torch.Tensor]]:
+        """Drop ``store``'s unread kept results: (calls dropped, their bytes, the tensors kept)."""
+        calls = nbytes = 0
+        kept: list[torch.Tensor] = []
+        for key, entries in list(store.entries.items()):
+            if (
+                rules.actions.get(key) not in (Action.KEEP, Action.KEEP_WRITTEN)
+                or getattr(key, "namespace", None) in COMMUNICATION_NAMESPACES
+            ):
+                kept += [t for e in entries.values() for t in e.tensors]
+                continue
+            for index in list(entries):
+                tensors = entries[index].tensors
+                if any(self.ledger.read_by_backward(t) for t in tensors):
+                    kept += tensors
+                    continue
+                del entries[index]
+                store.stored -= 1
+                rules.dropped.setdefault(key, set()).add(index)
+                calls += 1
+                nbytes += sum(_storages(tensors).values())
+            if not entries:
+                del store.entries[key]
+        return calls, nbytes, kept
 
     def worse_than_no_ac(self) -> list[str]:
         """Blocks whose kept results reach what no AC holds for them, where that matters: at
