@@ -57,7 +57,7 @@ FLOP_NOTE = (
 TIME_NOTE = (
     "Step times: CPU time of one thread, median over interleaved rounds; in brackets the middle "
     "half of the per-round ratios. At these widths a step's time is in its FLOPs, as on a GPU: "
-    "full costs what plain checkpointing costs, selective less."
+    "full costs about what plain checkpointing costs, selective less."
 )
 TINY_TIME_NOTE = (
     "Step times: CPU time of one thread, median over interleaved rounds; in brackets the middle "
