@@ -69,6 +69,13 @@ def _offloadable(t: Any) -> bool:
     )
 
 
+_ALIGN = 64  # bytes: each slice of the pinned buffer starts at a multiple of this
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // _ALIGN) * _ALIGN
+
+
 class _Entry:
     """One offloaded result: the store entry, its host tensors and the events of its copies."""
 
@@ -147,10 +154,11 @@ class Offloader:
         return True
 
     def _room(self, nbytes: int) -> bool:
-        if self.buffer is None:
-            self.buffer = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=self.pin_memory)
+        if self.buffer is None:  # with room for aligning each slice
+            size = self.capacity + _ALIGN * 1024
+            self.buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory)
             self.buffer_allocations += 1
-        return self._offset + nbytes <= self.buffer.numel()
+        return _aligned(self._offset) + nbytes <= self.buffer.numel()
 
     def _copy_out(self, kept: Any, leaves: list[torch.Tensor], nbytes: int) -> _Entry:
         stream = self._side_stream(leaves[0].device)
@@ -159,8 +167,9 @@ class Offloader:
         with torch.cuda.stream(stream):
             for t in leaves:
                 size = t.untyped_storage().nbytes()
-                dest = self.buffer[self._offset : self._offset + size].view(t.dtype).view(t.shape)
-                self._offset += size
+                start = _aligned(self._offset)  # a dtype view needs an aligned byte offset
+                dest = self.buffer[start : start + size].view(t.dtype).view(t.shape)
+                self._offset = start + size
                 dest.copy_(t, non_blocking=True)
                 host.append(dest)
             event = torch.cuda.Event()
