@@ -113,6 +113,8 @@ class AuditReport:
     # enabled: something else (Reformer's reversible layers) recomputes them in backward, so
     # checkpointing them saves nothing (the same bytes in every mode)
     blocks_saving_nothing: list[str] = field(default_factory=list)
+    # a peak budget (budget="24GiB"): (budget, predicted peak, measured peak or None) in bytes
+    peak: tuple[int, int, int | None] | None = None
 
     def blocks_worse_than_no_ac(self) -> list[str]:
         """Blocks whose kept results reach what no AC would hold for them, by the first step's
@@ -218,6 +220,12 @@ class AuditReport:
             "recomputes them itself, as reversible layers do): "
             + (", ".join(self.blocks_saving_nothing) or "none"),
         ]
+        if self.peak is not None:
+            budget, predicted, measured = self.peak
+            lines.append(
+                f"peak activation memory: budget {_mib(budget)}, predicted {_mib(predicted)}, "
+                f"measured {'not yet' if measured is None else _mib(measured)}"
+            )
         return "\n".join(lines)
 
 
@@ -447,4 +455,13 @@ def audit(model: nn.Module, loss_fn: LossFn) -> AuditReport:
             if checkpoint_state(block).bypassed
         },
         blocks_saving_nothing=saving_nothing,
+        peak=_peak(state.plan),
     )
+
+
+def _peak(plan: Any) -> tuple[int, int, int | None] | None:
+    """A peak plan's budget, predicted and measured peak (prime_ac.budget.plan_peak)."""
+    peak = getattr(plan, "peak", None)
+    if peak is None:
+        return None
+    return peak.budget, peak.simulation.peak, peak.measured

@@ -104,3 +104,12 @@ def test_plan_command_prints_decisions_and_peak(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--budget", "6 furlongs"])
     assert "--budget='6 furlongs'" in capsys.readouterr().err
+
+
+def test_audit_prints_predicted_and_measured_peak(base):
+    model, plans = _planned(base, "120KiB")
+    _, x, _ = base
+    report = prime_ac.audit(model, lambda m: _step(m, x))
+    peak = plans[0].peak
+    assert report.peak == (peak.budget, peak.simulation.peak, peak.measured)
+    assert "peak activation memory: budget" in str(report) and "measured" in str(report)
