@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 import prime_ac
-from prime_ac.wrapping import checkpoint_state, wrapped_blocks
 from prime_ac.models import build_model
+from prime_ac.wrapping import checkpoint_state, wrapped_blocks
 from tests.dist_utils import run_distributed
 
 

@@ -13,11 +13,11 @@ from ac_models import assert_bitwise_equal, grads
 from torch import nn
 
 import prime_ac
-from prime_ac.wrapping import checkpoint_state
 from prime_ac.budget import BlockPlan
 from prime_ac.config import ACConfig
 from prime_ac.models import build_model
 from prime_ac.scopes import ScopedTarget, parse_target
+from prime_ac.wrapping import checkpoint_state
 from tests.dist_utils import run_distributed
 
 
