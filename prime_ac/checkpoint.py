@@ -26,6 +26,7 @@ from prime_ac.budget import budget_context_fn, plan_budget
 from prime_ac.config import ACConfig
 from prime_ac.contexts import block_context_fn
 from prime_ac.discovery import BlockSelector, find_blocks
+from prime_ac.offload_targets import offload_policies, offloading_context_fn
 from prime_ac.policy import make_policy
 from prime_ac.scopes import scope_problems, split_targets, untrack
 from prime_ac.targets import (
@@ -65,6 +66,7 @@ def checkpoint_blocks(
     early_stop: bool | None = None,
     determinism_check: str | None = None,
     skip_worse: bool = True,
+    offload: Iterable[str] | None = None,
 ) -> list[str]:
     """Wrap each selected block of ``model`` in its own non-reentrant checkpoint region.
 
@@ -93,6 +95,9 @@ def checkpoint_blocks(
     it (and at least ``prime_ac.watch.REPORTED_BYTES``) runs without checkpointing from then on,
     logged once naming the block and the bytes; False keeps checkpointing it, with a warning.
 
+    ``offload`` names operators (as ``targets`` does) whose results go to host memory instead
+    of staying on the device, kept even where the mode replays them (:mod:`prime_ac.offload_targets`).
+
     Blocks already checkpointed by ``torch.distributed``'s ``CheckpointWrapper`` are refused;
     a Hugging Face model with its own gradient checkpointing on gets a warning.
 
@@ -115,6 +120,7 @@ def checkpoint_blocks(
         early_stop=early_stop,
         determinism_check=determinism_check,
         preserve_rng_state=preserve_rng_state,
+        offload=offload,
     )
     auto = config.targets == "auto"
     _check_profile(profile, auto)
@@ -134,14 +140,17 @@ def checkpoint_blocks(
     named = tables.user_named(config.targets or ()) if config.keeps_targets and not auto else []
     _report(
         TargetSet(split_targets(translate_composites(named))[0]).problems()
-        + TargetSet(mandatory).problems(mandatory=True),
+        + TargetSet(mandatory).problems(mandatory=True)
+        + TargetSet(translate_composites(config.offload or ())).problems(),
         strict,
         configuration=(repr(config), tuple(mandatory)),
     )
 
     selected, modes = _select(find_blocks(model, blocks), config)
-    policies = _layer_policies(config, modes, mandatory, policy)
-    policy = policies.get("selective", policy)  # the one with the named targets and scopes
+    policies = offload_policies(_layer_policies(config, modes, mandatory, policy), config.offload)
+    policy = policies.get(
+        "selective", policies[config.mode]
+    )  # the one with the named targets and scopes
     _check_not_nested(selected, "blocks=" if blocks is not None else "discovery")
     _check_no_checkpoint_wrapper(model, selected)
     _warn_on_own_checkpointing(model)
@@ -168,7 +177,9 @@ def checkpoint_blocks(
                 BlockCheckpoint(
                     name=name,
                     policy=policies[modes[name]],
-                    context_fn=block_context_fn(policies[modes[name]], name, watch),
+                    context_fn=offloading_context_fn(
+                        block_context_fn(policies[modes[name]], name, watch), policies[modes[name]]
+                    ),
                     preserve_rng_state=config.preserve_rng_state,
                     early_stop=config.early_stop,
                     determinism_check=config.determinism_check,

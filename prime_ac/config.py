@@ -13,6 +13,7 @@ from prime_ac.offload import SavedInputOffload
 from prime_ac.planner import parse_bytes
 from prime_ac.policy import MODES
 from prime_ac.scopes import parse_target
+from prime_ac.targets import Target
 
 __all__ = ["ACConfig", "check_budget", "check_checkpoint_options"]
 
@@ -63,6 +64,8 @@ class ACConfig:
     preserve_rng_state: bool = True
     # prime-rl's [trainer.model.ac_offloading] as sorted (key, value) pairs (see input_offload)
     ac_offloading: tuple[tuple[str, Any], ...] | None = None
+    # operators whose results go to host memory instead of staying on the device
+    offload: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         check_checkpoint_options(self.early_stop, self.determinism_check)
@@ -82,6 +85,7 @@ class ACConfig:
                 "with the forward's random numbers, torch's default) or False"
             )
         self._check_layer_modes()
+        self._check_offload()
         if self.targets == "auto":
             if self.mode != "selective":
                 raise ValueError(
@@ -154,6 +158,29 @@ class ACConfig:
                 "use one of them"
             )
         object.__setattr__(self, "layer_modes", tuple(entries))
+
+    def _check_offload(self) -> None:
+        if self.offload is None:
+            return
+        if isinstance(self.offload, str) or not isinstance(self.offload, (list, tuple)):
+            raise ValueError(
+                f"offload={self.offload!r} must be a list of operator names or namespaces whose "
+                "results go to host memory, e.g. offload=['aten::_scaled_dot_product_flash_"
+                "attention']"
+            )
+        for target in self.offload:
+            if not isinstance(parse_target(target), Target):
+                raise ValueError(
+                    f"offload={list(self.offload)!r}: {target!r} is a scoped, forced-replay or "
+                    "tag target; offload names operators or namespaces only (ns::op, "
+                    "ns::op.overload, ns)"
+                )
+        if self.targets == "auto":
+            raise ValueError(
+                'offload= names what to offload; targets="auto" with a peak budget ("24GiB") '
+                "chooses it: use one of them"
+            )
+        object.__setattr__(self, "offload", tuple(self.offload))
 
     def input_offload(self) -> SavedInputOffload | None:
         """prime-rl's activation offloading with prime-rl's meaning: what autograd saves

@@ -55,18 +55,24 @@ class Ledger:
 
 
 def _offloadable(t: Any) -> bool:
-    """A tensor that owns its whole storage: views (and tensors of a larger base) are never
-    offloaded, since dropping them frees nothing; nor are parameters and tensors that need
-    grad."""
+    """A tensor that owns its whole storage, densely in some order of its dimensions (attention
+    returns a transposed layout): views (and tensors of a larger base) are never offloaded,
+    since dropping them frees nothing; nor are parameters and tensors that need grad."""
     return (
         isinstance(t, torch.Tensor)
         and not isinstance(t, torch.nn.Parameter)
         and not t.requires_grad
-        and t.is_contiguous()
+        and _dense(t)
         and t.storage_offset() == 0
         and t.untyped_storage().nbytes() == t.numel() * t.element_size()
         and t.device.type in ("cpu", "cuda")
     )
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """No gaps and no overlap: contiguous once its dimensions are ordered by stride."""
+    order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
+    return t.permute(order).is_contiguous()
 
 
 _ALIGN = 64  # bytes: each slice of the pinned buffer starts at a multiple of this
@@ -90,7 +96,9 @@ class Offloader:
     """Moves the offloaded results of every region of one model to host memory and back.
 
     ``capacity`` is the host bytes the plan offloads (the pinned buffer's size on CUDA, at most
-    ``host_cap``); ``prefetch_bytes`` bounds what is brought back ahead of a block's recompute
+    ``host_cap``); None (named offload targets, no plan) sizes it from the first step: on CUDA
+    that step's results stay on the device while their bytes are counted (``sized``), and the
+    buffer is allocated once for the steps after it; on CPU nothing bounds it; ``prefetch_bytes`` bounds what is brought back ahead of a block's recompute
     (None: the whole next block); ``max_inflight`` bounds the outbound copies in flight
     (prime-rl's ``max_inflight_activations``; None: no bound). ``pin_memory=False`` uses
     pageable host memory (the copies then block the host).
@@ -115,7 +123,11 @@ class Offloader:
                 isinstance(value, bool) or not isinstance(value, int) or value < 0
             ):
                 raise ValueError(f"{name}={value!r} must be an int >= 0 (or None)")
-        self.capacity = capacity if host_cap is None else min(capacity, host_cap)
+        self.host_cap = host_cap
+        self.capacity = (
+            capacity if host_cap is None or capacity is None else min(capacity, host_cap)
+        )
+        self.sized = 0  # capacity None: the bytes the first step would have offloaded (CUDA)
         self.prefetch_bytes, self.max_inflight = prefetch_bytes, max_inflight
         self.pin_memory = pin_memory
         self.ledger = Ledger()
@@ -138,7 +150,11 @@ class Offloader:
             return False  # leaves sharing a storage: copy on write keeps them one storage
         nbytes = sum(t.untyped_storage().nbytes() for t in leaves)
         cuda = leaves[0].device.type == "cuda"
-        if self.ledger.host + nbytes > self.capacity or (cuda and not self._room(nbytes)):
+        if cuda and self.capacity is None:  # the first step sizes the buffer: this stays kept
+            self.sized += nbytes
+            return False
+        full = self.capacity is not None and self.ledger.host + nbytes > self.capacity
+        if full or (cuda and not self._room(nbytes)):
             self.ledger.overflowed += 1
             return False
         if cuda:
@@ -168,7 +184,10 @@ class Offloader:
             for t in leaves:
                 size = t.untyped_storage().nbytes()
                 start = _aligned(self._offset)  # a dtype view needs an aligned byte offset
-                dest = self.buffer[start : start + size].view(t.dtype).view(t.shape)
+                # the same strides: a dense copy, and backward sees the layout it saved
+                dest = (
+                    self.buffer[start : start + size].view(t.dtype).as_strided(t.shape, t.stride())
+                )
                 self._offset = start + size
                 dest.copy_(t, non_blocking=True)
                 host.append(dest)
@@ -232,6 +251,9 @@ class Offloader:
 
     def bring_back(self, store: Any) -> None:
         """Before ``store``'s recompute: its results on the device, the next block's under way."""
+        if self.capacity is None and self.sized:  # the first forward is over: size the buffer
+            cap = self.host_cap
+            self.capacity = self.sized if cap is None else min(self.sized, cap)
         entries = self._entries.pop(store, None)
         if entries is None:
             return

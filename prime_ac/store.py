@@ -104,6 +104,7 @@ class RegionStore:
         "hits",
         "name",
         "offload_calls",
+        "offload_ops",
         "offloader",
         "replay_calls",
         "stored",
@@ -117,9 +118,11 @@ class RegionStore:
         self.held: dict[int, list[tuple[Any, int]]] = {}
         self.stored = self.hits = self.copies = self.copied_bytes = 0
         # offload (prime_ac.offload): the (operator, call index) whose kept results go to host
-        # memory, and the model's offloader moving them
+        # memory, or a test of the operator whose every kept call does (offload=[...]), and the
+        # model's offloader moving them
         self.offloader: Any = None
         self.offload_calls: frozenset = frozenset()
+        self.offload_ops: Any = None
 
     def keeps(self) -> bool:
         """Whether the forward kept anything (else the recompute runs with no mode at all)."""
@@ -141,7 +144,10 @@ class RegionStore:
             entries = self.entries[op] = {}
         entries[index] = kept
         self.stored += 1
-        if self.offloader is not None and (op, index) in self.offload_calls:
+        if self.offloader is not None and (
+            (op, index) in self.offload_calls
+            or (self.offload_ops is not None and self.offload_ops(op))
+        ):
             self.offloader.offload(self, kept)  # False: it stays kept (host buffer full)
         for t in kept.tensors:
             if isinstance(t, torch.Tensor):

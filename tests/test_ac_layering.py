@@ -21,7 +21,7 @@ LAYERS = [
     {"targets", "actions", "store"},
     {"scopes"},
     {"policy"},
-    {"config"},
+    {"config", "offload_targets"},
     {"modes"},
     {"watch"},
     {"contexts"},
