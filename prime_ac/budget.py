@@ -28,6 +28,7 @@ bytes - such as "every other matmul" - is a feasible point the planner can only 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -41,13 +42,13 @@ from prime_ac import planner
 from prime_ac._compat import returns_alias, schema_is_mutable
 from prime_ac.audit import audit, op_name
 from prime_ac.contexts import checkpoint_contexts
-from prime_ac.measure import measure_peak
+from prime_ac.measure import CallTimer, copy_bandwidth, measure_peak
 from prime_ac.modes import Rules
 from prime_ac.offload import Offloader
 from prime_ac.policy import OperatorPolicy
 from prime_ac.scopes import ScopeRules, split_targets
 from prime_ac.targets import Target, TargetSet
-from prime_ac.wrapping import checkpoint_state, wrap_block
+from prime_ac.wrapping import checkpoint_state, wrap_block, wrapped_blocks
 
 __all__ = [
     "FLOP_RATE",
@@ -298,11 +299,19 @@ def plan_budget(
 
     Returns ``{block name: plan}``; the model is left as it was (the caller applies the plans).
     """
-    report = audit(model, profile)
+    device = next((p.device for p in model.parameters()), None)
+    # a peak budget on CUDA: each call's replay time as measured, and the host link's bandwidth
+    timer = None
+    if isinstance(budget, str) and device is not None and device.type == "cuda":
+        timer = CallTimer(wrapped_blocks(model))
+    with timer or contextlib.nullcontext():
+        report = audit(model, profile)
     calls = {name: report.calls.get(name, []) for name in report.blocks}
     no_ac = report.block_held_bytes_no_ac
     if isinstance(budget, str):
-        return _calibrated(model, profile, report, planner.parse_bytes(budget))
+        measured = timer.seconds() if timer is not None else {}
+        link = copy_bandwidth(device)
+        return _calibrated(model, profile, report, planner.parse_bytes(budget), measured, link)
     if isinstance(budget, float):
         held = {
             name: sum(c.bytes for c in calls[name] if c.decision == "mandatory")
@@ -324,8 +333,13 @@ def plan_budget(
 FLOP_RATE = 1e12
 
 
-def profiles(report: Any) -> list[planner.BlockProfile]:
+def profiles(
+    report: Any, seconds: Mapping[tuple, float] | None = None
+) -> list[planner.BlockProfile]:
     """The audit's profiled calls as the peak planner's blocks (ranks agreeing on one).
+
+    A call's replay time is ``seconds[(block, op, index)]`` where it was measured
+    (:class:`prime_ac.measure.CallTimer`, on CUDA), else its FLOPs at ``FLOP_RATE``.
 
     What the model holds whatever its blocks keep (their inputs, activations outside the
     blocks) is spread over the blocks' inputs.
@@ -348,17 +362,27 @@ def profiles(report: Any) -> list[planner.BlockProfile]:
             else:
                 kind = "plain"
             # a call the recompute never reaches saves nothing when kept
-            seconds = c.flops / FLOP_RATE if c.replayed and kind != "view" else 0.0
+            timed = (seconds or {}).get((name, c.op, c.index))
+            time = c.flops / FLOP_RATE if timed is None else timed
+            time = time if c.replayed and kind != "view" else 0.0
             size = 0 if kind == "view" else c.bytes  # a view or an in-place write: no new bytes
-            calls.append(planner.Call(op_name(c.op), c.index, size, seconds, kind))
+            calls.append(planner.Call(op_name(c.op), c.index, size, time, kind))
         blocks.append(planner.BlockProfile(name, tuple(calls), base))
     return planner.agree(blocks)
 
 
-def plan_peak(report: Any, budget: int, host_cap: int | None = None) -> dict[str, BlockPlan]:
+def plan_peak(
+    report: Any,
+    budget: int,
+    host_cap: int | None = None,
+    seconds: Mapping[tuple, float] | None = None,
+    bandwidth: float | None = None,
+) -> dict[str, BlockPlan]:
     """Plans for every block of ``report`` meeting a peak of ``budget`` bytes (keep / offload /
-    replay per call), sharing one offloader."""
-    peak = planner.plan(profiles(report), budget, host_cap=host_cap)
+    replay per call), sharing one offloader. ``seconds`` are measured replay times (see
+    :func:`profiles`); ``bandwidth`` the measured copy bandwidth (None: the stated default)."""
+    link = {} if bandwidth is None else {"bandwidth": bandwidth}
+    peak = planner.plan(profiles(report, seconds), budget, host_cap=host_cap, **link)
     offloader = (
         Offloader(peak.simulation.host_bytes, host_cap=host_cap)
         if peak.simulation.host_bytes
@@ -404,18 +428,27 @@ def plan_peak(report: Any, budget: int, host_cap: int | None = None) -> dict[str
     return plans
 
 
-def _calibrated(model: nn.Module, profile: Callable, report: Any, budget: int) -> dict:
+def _calibrated(
+    model: nn.Module,
+    profile: Callable,
+    report: Any,
+    budget: int,
+    seconds: Mapping[tuple, float] | None = None,
+    bandwidth: float | None = None,
+) -> dict:
     """Plan for a peak of ``budget``, run one step with the plan and measure what it held
     (:func:`prime_ac.measure.measure_peak`); if that was over, plan once more for a budget
     smaller by the excess. The plan records both peaks (``Plan.measured``)."""
-    plans = plan_peak(report, budget)
+    plans = plan_peak(report, budget, seconds=seconds, bandwidth=bandwidth)
     measured = _measure(model, profile, plans)
     peak = next(iter(plans.values())).peak if plans else None
     if peak is None:
         return plans
     peak.measured = measured
     if measured > budget:
-        tighter = plan_peak(report, max(budget - (measured - budget), 0))
+        tighter = plan_peak(
+            report, max(budget - (measured - budget), 0), seconds=seconds, bandwidth=bandwidth
+        )
         first = next(iter(tighter.values())).peak
         first.measured = _measure(model, profile, tighter)
         first.tightened_from = peak

@@ -27,12 +27,15 @@ from prime_ac._compat import (
     is_traceable_wrapper_subclass,
     tree_leaves,
 )
+from prime_ac.actions import IGNORED_OPS
 
 __all__ = [
+    "CallTimer",
     "OpCounter",
     "PeakTracker",
     "StepStats",
     "StorageTracker",
+    "copy_bandwidth",
     "measure_peak",
     "measure_step",
     "operator_flops",
@@ -374,3 +377,86 @@ def measure_peak(
         loss = loss_fn(model)
         loss.backward()
     return tracker.peak
+
+
+class CallTimer(TorchDispatchMode):
+    """The time each operator call of each block's forward took on the device where it ran:
+    CUDA events around every call, read once the step is done (:meth:`seconds`).
+
+    Calls are named as the audit names them, ``(block, operator, index among the block's calls
+    of that operator)`` (operators the checkpoint modes ignore not counted); only forwards are
+    timed (a block's recompute runs outside its module call). ``event`` makes the events (a
+    stand-in in tests); enter it only on CUDA, where a call's time is not its FLOPs.
+    """
+
+    def __init__(self, blocks: list[tuple[str, nn.Module]], event: Callable[[], Any] | None = None):
+        super().__init__()
+        self.event = event or functools.partial(torch.cuda.Event, enable_timing=True)
+        self.blocks = blocks
+        self.block: str | None = None
+        self.positions: Counter = Counter()
+        self.events: dict[tuple[str, Any, int], tuple[Any, Any]] = {}
+        self._hooks: list[Any] = []
+
+    def __enter__(self):
+        for name, block in self.blocks:
+            self._hooks.append(block.register_forward_pre_hook(functools.partial(self._in, name)))
+            self._hooks.append(block.register_forward_hook(self._out, always_call=True))
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any):
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        return super().__exit__(*exc)
+
+    def _in(self, name: str, module: nn.Module, args: Any) -> None:
+        self.block = name
+        self.positions = Counter()
+
+    def _out(self, module: nn.Module, args: Any, out: Any) -> None:
+        self.block = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.block is None or func in IGNORED_OPS:
+            return func(*args, **(kwargs or {}))
+        key = (self.block, func, self.positions[func])
+        self.positions[func] += 1
+        start, end = self.event(), self.event()
+        start.record()
+        out = func(*args, **(kwargs or {}))
+        end.record()
+        self.events.setdefault(key, (start, end))  # a second forward: the first one counts
+        return out
+
+    def seconds(self) -> dict[tuple[str, Any, int], float]:
+        """Each timed call's seconds (waits for the device once)."""
+        for _, end in self.events.values():
+            end.synchronize()
+        return {key: start.elapsed_time(end) / 1e3 for key, (start, end) in self.events.items()}
+
+
+# MiB copied each way when timing the host link
+_PROBE_BYTES = 64 << 20
+
+
+@functools.cache
+def copy_bandwidth(device: torch.device | None = None) -> float | None:
+    """Bytes/s of a pinned host copy to and from ``device`` (the slower way), timed with CUDA
+    events once per process and device; None off CUDA (the planner's stated default applies)."""
+    if device is None or device.type != "cuda":
+        return None
+    host = torch.empty(_PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(_PROBE_BYTES, dtype=torch.uint8, device=device)
+    dev.copy_(host, non_blocking=True)  # warm-up: the first copy pays for setup
+    host.copy_(dev, non_blocking=True)
+    times = []
+    for dest, source in ((dev, host), (host, dev)):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            dest.copy_(source, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / 3)
+    return _PROBE_BYTES / max(max(times), 1e-9)

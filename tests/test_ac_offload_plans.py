@@ -181,3 +181,53 @@ def test_prime_rl_ac_offloading_table_offloads_block_inputs(base):
     with pytest.raises(ValueError, match=r"unknown ac_offloading key\(s\) \['pin'\]"):
         prime_ac.ACConfig.from_dict({"ac_offloading": {"pin": True}})
     assert prime_ac.ACConfig().input_offload() is None
+
+
+class _StandInEvent:
+    """Records where it was recorded; elapsed time is the distance in records, in ms."""
+
+    clock = 0
+
+    def record(self, stream=None):
+        _StandInEvent.clock += 1
+        self.at = _StandInEvent.clock
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other):
+        return float(other.at - self.at)
+
+
+def test_measured_replay_times_replace_flops_where_measured(base):
+    """The call timer names calls as the audit does, and the planner's profile takes a measured
+    time over the FLOP estimate (only for calls the recompute reaches); off CUDA no bandwidth
+    is measured and the stated default stays."""
+    from prime_ac.budget import FLOP_RATE, profiles
+    from prime_ac.measure import CallTimer, copy_bandwidth
+    from prime_ac.wrapping import wrapped_blocks
+
+    model, x, _ = base
+    model = copy.deepcopy(model)
+    prime_ac.checkpoint_blocks(model, mode="full")
+    timer = CallTimer(wrapped_blocks(model), event=_StandInEvent)
+    with timer:
+        report = prime_ac.audit(model, lambda m: _step(m, x))
+    seconds = timer.seconds()
+    audited = {(n, c.op, c.index) for n in report.blocks for c in report.calls[n]}
+    assert set(seconds) == audited
+    assert all(s == 1e-3 for s in seconds.values())  # one record apart: each call alone
+    assert not timer._hooks  # the block hooks are gone
+
+    block = report.blocks[0]
+    by_flops = profiles(report)
+    calls = report.calls[block]
+    i = next(k for k, c in enumerate(calls) if c.replayed and by_flops[0].calls[k].kind == "plain")
+    unreached = [k for k, c in enumerate(calls) if not c.replayed]
+    timed = {(block, calls[k].op, calls[k].index): 0.25 for k in [i, *unreached]}
+    measured = profiles(report, timed)
+    assert measured[0].calls[i].seconds == 0.25 != by_flops[0].calls[i].seconds
+    assert by_flops[0].calls[i].seconds == calls[i].flops / FLOP_RATE
+    for k, call in enumerate(measured[0].calls):  # unreached calls save nothing, timed or not
+        assert call.seconds == (0.25 if k == i else by_flops[0].calls[k].seconds)
+    assert copy_bandwidth(torch.device("cpu")) is None and copy_bandwidth(None) is None

@@ -158,3 +158,50 @@ def test_predicted_and_measured_peak_and_step_times(setup):
             print(f"{name}: predicted {peak.simulation.peak:,} B, measured {peak.measured:,} B")
     for name, (ms, _) in results.items():
         print(f"{name}: {ms:.2f} ms per step")
+
+
+def test_named_offload_sizes_its_buffer_on_the_first_step(setup):
+    """offload=[...] has no plan: the first step keeps the named results on the device and
+    counts them; the second allocates the pinned buffer once and offloads them."""
+    model, x, expected = setup
+    m = copy.deepcopy(model)
+    prime_ac.checkpoint_blocks(m, mode="full", offload=["aten::addmm", "aten::mm"])
+    offloader = checkpoint_state(m.layers[0]).policy.offloader
+    m(x).backward()
+    assert offloader.buffer is None and offloader.sized > 0 and offloader.ledger.offloaded == 0
+    for _ in range(2):
+        m.zero_grad(set_to_none=True)
+        m(x).backward()
+        grads = {n: p.grad for n, p in m.named_parameters()}
+        assert all(torch.equal(grads[n], expected[n]) for n in expected)
+    assert offloader.buffer_allocations == 1 and offloader.capacity == offloader.sized
+    assert offloader.ledger.offloaded > 0 and offloader.ledger.host == 0
+
+
+def test_measured_replay_times_and_copy_bandwidth(setup):
+    """On CUDA the planner times each profiled call with CUDA events and the host link once
+    per process; the plan's copy times use that bandwidth (less its error margin)."""
+    from prime_ac.measure import CallTimer, copy_bandwidth
+    from prime_ac.wrapping import wrapped_blocks
+
+    model, x, _ = setup
+    device = x.device
+    first = copy_bandwidth(device)
+    assert first is not None and first > 1e9  # bytes/s: a pinned copy is GB/s
+    hits = copy_bandwidth.cache_info().hits
+    assert copy_bandwidth(device) == first and copy_bandwidth.cache_info().hits == hits + 1
+    m = copy.deepcopy(model)
+    prime_ac.checkpoint_blocks(m, mode="full")
+    timer = CallTimer(wrapped_blocks(m))
+    with timer:
+        report = prime_ac.audit(m, lambda mm: mm(x))
+    seconds = timer.seconds()
+    matmuls = [(n, c.op, c.index) for n in report.blocks for c in report.calls[n] if c.flops]
+    assert matmuls and all(seconds[k] > 0 for k in matmuls)
+    m = copy.deepcopy(model)
+    prime_ac.checkpoint_blocks(
+        m, mode="selective", targets="auto", budget="1GiB", profile=lambda mm: mm(x)
+    )
+    peak = m.layers[0]._prime_ac.plan.peak
+    assert peak.bandwidth == pytest.approx(first * 0.7)
+    print(f"copy bandwidth {first / 1e9:.1f} GB/s; slowest matmul {max(seconds.values()):.2e} s")
