@@ -16,9 +16,10 @@ bytes, less what the model holds whatever the blocks keep (their inputs, activat
 the blocks), is chosen.
 
 A string with a unit (``"24GiB"``) is the step's peak activation memory: every call becomes a
-:class:`prime_ac.planner.Call` (its bytes; its replay time, FLOPs over ``FLOP_RATE``) and the
-peak planner chooses keep, offload or replay per call (:mod:`prime_ac.planner`); the offloaded
-results of all blocks share one :class:`prime_ac.offload.Offloader`.
+:class:`prime_ac.planner.Call` (its bytes; its replay time, timed on CUDA, else FLOPs over
+``FLOP_RATE``) and the peak planner chooses keep, offload or replay per call
+(:mod:`prime_ac.planner`); the offloaded results of all blocks share one
+:class:`prime_ac.offload.Offloader`.
 
 Chosen calls are identified as the same operator overload at the same position in the block's
 forward (the way checkpoint replay itself is keyed). Because the solution is exact, a larger
