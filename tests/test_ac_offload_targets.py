@@ -164,9 +164,19 @@ def test_bad_offload_names_raise(base, offload, error, match):
     assert not any(checkpoint_state(b) for b in model.layers)  # nothing applied
 
 
-def test_config_carries_offload():
+def test_config_carries_offload(base):
+    model, x, expected = base
     config = prime_ac.ACConfig.from_dict({"mode": "full", "offload": ["aten::topk"]})
     assert config.offload == ("aten::topk",)
+    model = copy.deepcopy(model)
+    prime_ac.checkpoint_blocks(model, config=config)
+    _step(model, x).backward()
+    assert_bitwise_equal(grads(model), expected)
+    assert _offloader(model).ledger.offloaded == len(model.layers)  # one top-k per block
+    with pytest.raises(ValueError, match=r"pass offload= either as arguments or in config="):
+        prime_ac.checkpoint_blocks(model, config=config, offload=["aten::topk"])
+    with pytest.raises(ValueError, match=r"offload=5 must be a list"):
+        prime_ac.ACConfig(offload=5)
     with pytest.raises(ValueError, match=r'offload=.*targets="auto"'):
         prime_ac.ACConfig(mode="selective", targets="auto", budget="1GiB", offload=["aten::mm"])
     with pytest.raises(ValueError, match=r"unknown activation-checkpointing key.*'ofload'"):
