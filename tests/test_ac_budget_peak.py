@@ -6,10 +6,10 @@ import copy
 
 import pytest
 import torch
+from ac_models import assert_bitwise_equal, grads
 
 import prime_ac
 from prime_ac.measure import PeakTracker, measure_peak
-from tests.ac_models import assert_bitwise_equal, grads
 from tests.test_ac_offload_plans import DIM, Model, _step
 
 

@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from ac_models import assert_bitwise_equal, grads
 from torch import nn
 from torch.utils.checkpoint import CheckpointError
 
@@ -16,7 +17,6 @@ import prime_ac
 from prime_ac.budget import budget_context_fn
 from prime_ac.offload import Offloader
 from prime_ac.wrapping import checkpoint_state, wrap_block
-from tests.ac_models import assert_bitwise_equal, grads
 
 DIM = 16
 

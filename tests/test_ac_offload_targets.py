@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from ac_models import assert_bitwise_equal, grads
 from torch import nn
 
 import prime_ac
@@ -17,7 +18,6 @@ from prime_ac.actions import Action
 from prime_ac.measure import measure_peak
 from prime_ac.offload_targets import offload_policies
 from prime_ac.wrapping import checkpoint_state
-from tests.ac_models import assert_bitwise_equal, grads
 
 DIM, HEADS = 16, 2
 SDPA = "aten::_scaled_dot_product_flash_attention_for_cpu"

@@ -309,7 +309,11 @@ def test_c10d_functional_decisions_where_prime_ac_differs_from_prime_rl(mode):
     # kept where communication is; in-place forms and wait_tensor replay (docs/checkpointing.md)
     c10d = torch.ops._c10d_functional
     policy = make_policy(mode)
-    for op in (c10d.isend, c10d.irecv, c10d.batch_p2p_ops):
+    # torch 2.9 has none of the point-to-point ops (2.13 and 2.14 have all three)
+    point_to_point = [
+        getattr(c10d, n) for n in ("isend", "irecv", "batch_p2p_ops") if hasattr(c10d, n)
+    ]
+    for op in point_to_point:
         assert decide(policy, op.default) is SAVE, (mode, op)
     communicates = mode not in ("full", "full_moe")
     assert (decide(policy, c10d.broadcast.default) is SAVE) is communicates
