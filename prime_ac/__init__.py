@@ -8,10 +8,11 @@ replay. prime_ac imports torch only: it knows operators by name, never by import
 from importlib.metadata import distributions as _distributions
 
 from prime_ac.audit import AuditReport, audit
-from prime_ac.checkpoint import checkpoint_blocks, get_layer_modes
+from prime_ac.checkpoint import checkpoint_blocks
 from prime_ac.config import ACConfig
 from prime_ac.contexts import context_fn
 from prime_ac.discovery import find_blocks
+from prime_ac.layer_modes import get_layer_modes
 from prime_ac.policy import MODES, OperatorPolicy, make_policy
 from prime_ac.scopes import tag
 from prime_ac.store import KeptOutputMutatedError, ReplayMismatchError

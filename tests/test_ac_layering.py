@@ -22,7 +22,7 @@ LAYERS = [
     {"scopes"},
     {"policy"},
     {"config", "offload_targets"},
-    {"modes"},
+    {"modes", "layer_modes"},
     {"watch"},
     {"contexts"},
     {"region", "discovery", "measure"},
