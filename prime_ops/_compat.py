@@ -51,6 +51,10 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 # version unless the flag is set. Public (documented) flag; version check since it is a default.
 COMPILE_NEEDS_DYNAMIC_OUTPUT_SHAPE_OPS = torch.__version__ < (2, 10)
 
+# Autograd's clamp gradient at the bounds: passed up to torch 2.13, zero from 2.14 on (x == max
+# gives 1 on 2.13, 0 on 2.14). Spelled-out backwards that must equal eager autograd follow it.
+CLAMP_GRAD_PASSES_AT_BOUNDS = torch.__version__ < (2, 14)
+
 
 def registered_op_names() -> set[str]:
     """Every operator the dispatcher knows, as ``"ns::name"``.

@@ -33,6 +33,7 @@ from collections.abc import Callable
 import torch
 
 from prime_ops import native
+from prime_ops._compat import CLAMP_GRAD_PASSES_AT_BOUNDS
 from prime_ops.backends import import_backend
 from prime_ops.devices import check_same_device
 from prime_ops.grouped import check_offsets_meta, check_offsets_values
@@ -739,14 +740,19 @@ def _check_swiglu(gate_up: torch.Tensor, limit: float) -> int:
 
 def _swiglu_backward(grad_h: torch.Tensor, gate_up: torch.Tensor, limit: float) -> torch.Tensor:
     """``d[gate | up]`` by eager autograd's formulas, in ``gate_up``'s dtype (a custom op's
-    kernel runs below autograd, so they are spelled out: mul, clamp's mask, silu_backward)."""
+    kernel runs below autograd, so they are spelled out: mul, clamp's mask, silu_backward); at the
+    clamps' bounds the gradient passes or stops as the running torch's autograd does."""
     gate, up = gate_up.chunk(2, dim=1)
     g, u = gate.clamp(max=limit), up.clamp(-limit, limit)
     d_u = grad_h * torch.nn.functional.silu(g)
     d_g = torch.ops.aten.silu_backward(grad_h * u, g)
     zero = grad_h.new_zeros(())
-    d_gate = torch.where(gate <= limit, d_g, zero)
-    d_up = torch.where((up >= -limit) & (up <= limit), d_u, zero)
+    if CLAMP_GRAD_PASSES_AT_BOUNDS:
+        d_gate = torch.where(gate <= limit, d_g, zero)
+        d_up = torch.where((up >= -limit) & (up <= limit), d_u, zero)
+    else:
+        d_gate = torch.where(gate < limit, d_g, zero)
+        d_up = torch.where((up > -limit) & (up < limit), d_u, zero)
     return torch.cat([d_gate, d_up], dim=1)
 
 
