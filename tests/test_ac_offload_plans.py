@@ -215,7 +215,11 @@ def test_measured_replay_times_replace_flops_where_measured(base):
         report = prime_ac.audit(model, lambda m: _step(m, x))
     seconds = timer.seconds()
     audited = {(n, c.op, c.index) for n in report.blocks for c in report.calls[n]}
-    assert set(seconds) == audited
+    assert audited <= set(seconds)
+    # torch 2.9 runs the allocations of some kernels through the dispatcher (aten::empty), which
+    # the timer sees and the checkpoint policy does not; a name the audit lacks is never planned
+    extra = {op for _, op, _ in set(seconds) - audited}
+    assert extra <= {torch.ops.aten.empty.memory_format}, extra
     assert all(s == 1e-3 for s in seconds.values())  # one record apart: each call alone
     assert not timer._hooks  # the block hooks are gone
 
