@@ -16,17 +16,26 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def _fraction(text: str) -> float:
+def _budget(text: str) -> float | str:
+    """A fraction in [0, 1] of the no-AC activation memory, or the step's peak with a unit."""
+    from prime_ac.planner import parse_bytes
+
     try:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a fraction in [0, 1] of the whole model's no-AC activation memory "
-            "(e.g. 0.3)"
-        )
-    return value
+    if 0.0 <= value <= 1.0:
+        return value
+    if not text.strip().replace(".", "", 1).isdigit():  # bytes need a unit: '24GiB'
+        try:
+            parse_bytes(text)
+            return text
+        except ValueError:
+            pass
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is neither a fraction in [0, 1] of the whole model's no-AC activation memory "
+        "(e.g. 0.3) nor a peak with a unit (e.g. 6MiB; units B, KB, MB, GB, KiB, MiB, GiB)"
+    )
 
 
 def _positive_int(text: str) -> int:
@@ -83,9 +92,10 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     )
     audit.add_argument(
         "--budget",
-        type=_fraction,
-        help="fraction of the whole model's no-AC activation memory it may hold, e.g. 0.3 "
-        "(default: unset; needed with --targets auto, and only there)",
+        type=_budget,
+        help="the step's peak activation memory with a unit, e.g. 6MiB, or a fraction of the "
+        "whole model's no-AC activation memory, e.g. 0.3 (default: unset; needed with "
+        "--targets auto, and only there)",
     )
     audit.add_argument(
         "--freq", type=_positive_int, default=1, help="checkpoint every freq-th block"
@@ -162,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         return _plan(args, parser.plan_parser)
     if args.targets == "auto" and (args.budget is None or args.mode != "selective"):
-        audit.error("--targets auto needs --mode selective (the default) and --budget FRACTION")
+        audit.error(
+            "--targets auto needs --mode selective (the default) and --budget (0.3 or 6MiB)"
+        )
     if args.budget is not None and args.targets != "auto":
         audit.error("--budget applies only with --targets auto")
     return _audit(args, audit)

@@ -9,16 +9,15 @@ what autograd saves for it (measured on the same step) and replays nothing; so n
 planned to hold more than no AC for it while replaying something.
 
 Per block, the exact Pareto frontier of (bytes, FLOPs saved) is computed by dynamic programming.
-A budget in bytes (an int, or a ``{block: bytes}`` mapping) picks the best point of each block's
-frontier within its bytes. A fraction is of the whole model's activation memory without AC: the
-blocks' frontiers are combined, and the combination saving the most FLOPs within the fraction's
-bytes, less what the model holds whatever the blocks keep (their inputs, activations outside
-the blocks), is chosen.
+A ``{block: bytes}`` mapping picks the best point of each block's frontier within its bytes. A
+fraction is of the whole model's activation memory without AC: the blocks' frontiers are
+combined, and the combination saving the most FLOPs within the fraction's bytes, less what the
+model holds whatever the blocks keep (their inputs, activations outside the blocks), is chosen.
 
-A string with a unit (``"24GiB"``) is the step's peak activation memory: every call becomes a
-:class:`prime_ac.planner.Call` (its bytes; its replay time, timed on CUDA, else FLOPs over
-``FLOP_RATE``) and the peak planner chooses keep, offload or replay per call
-(:mod:`prime_ac.planner`); the offloaded results of all blocks share one
+Bytes (an int, or a string with a unit such as ``"24GiB"``) are the step's peak activation
+memory: every call becomes a :class:`prime_ac.planner.Call` (its bytes; its replay time, timed
+on CUDA, else FLOPs over ``FLOP_RATE``) and the peak planner chooses keep, offload or replay per
+call (:mod:`prime_ac.planner`); the offloaded results of all blocks share one
 :class:`prime_ac.offload.Offloader`.
 
 Chosen calls are identified as the same operator overload at the same position in the block's
@@ -170,11 +169,6 @@ def choose_calls(items: Sequence[tuple[int, int]], capacity: int) -> list[int]:
     return list(frontier[max(frontier)][1])
 
 
-def _block_bytes(budget: int | Mapping[str, int], block: str) -> int:
-    """A block's bytes under a budget in bytes (validated by ``ACConfig``)."""
-    return budget[block] if isinstance(budget, Mapping) else budget
-
-
 @dataclass(frozen=True)
 class _Option:
     """One way to run a block: bytes held, FLOPs not replayed, the calls kept (None: no AC)."""
@@ -302,14 +296,15 @@ def plan_budget(
     """
     device = next((p.device for p in model.parameters()), None)
     # a peak budget on CUDA: each call's replay time as measured, and the host link's bandwidth
+    peak = not isinstance(budget, (float, Mapping))  # bytes: an int or "24GiB"
     timer = None
-    if isinstance(budget, str) and device is not None and device.type == "cuda":
+    if peak and device is not None and device.type == "cuda":
         timer = CallTimer(wrapped_blocks(model))
     with timer or contextlib.nullcontext():
         report = audit(model, profile)
     calls = {name: report.calls.get(name, []) for name in report.blocks}
     no_ac = report.block_held_bytes_no_ac
-    if isinstance(budget, str):
+    if peak:
         measured = timer.seconds() if timer is not None else {}
         link = copy_bandwidth(device)
         return _calibrated(model, profile, report, planner.parse_bytes(budget), measured, link)
@@ -324,8 +319,7 @@ def plan_budget(
         blocks = [_Block(name, calls[name], no_ac.get(name), capacity) for name in report.blocks]
         return _plan_whole_model(blocks, capacity)
     return {
-        name: plan_block(name, calls[name], _block_bytes(budget, name), no_ac.get(name))
-        for name in report.blocks
+        name: plan_block(name, calls[name], budget[name], no_ac.get(name)) for name in report.blocks
     }
 
 

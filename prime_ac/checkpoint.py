@@ -62,7 +62,7 @@ def checkpoint_blocks(
     preserve_rng_state: bool | None = None,
     strict: bool = False,
     config: ACConfig | None = None,
-    budget: int | float | Mapping[str, int] | None = None,
+    budget: int | str | float | Mapping[str, int] | None = None,
     profile: Callable[[nn.Module], torch.Tensor] | None = None,
     early_stop: bool | None = None,
     determinism_check: str | None = None,
@@ -83,10 +83,11 @@ def checkpoint_blocks(
     Targets that no dispatch mode can see are logged on every call, or raise ValueError with
     ``strict=True``.
 
-    ``targets="auto"`` keeps, per block, the operator calls that save the most replayed FLOPs
-    within ``budget`` (bytes per block, a float fraction of the no-AC activation memory, or a
-    ``{block name: bytes}`` mapping), measured on one step ``profile(model)`` that returns a
-    loss (see :mod:`prime_ac.budget`).
+    ``targets="auto"`` chooses, per operator call, what to keep, offload or replay within
+    ``budget``, measured on one step ``profile(model)`` that returns a loss
+    (see :mod:`prime_ac.budget`). ``budget`` is the step's peak activation memory in bytes (an
+    int, or a string such as ``"24GiB"``), a float fraction of the no-AC activation memory, or a
+    ``{block name: bytes}`` mapping.
 
     ``early_stop`` and ``determinism_check`` go to each region's
     ``torch.utils.checkpoint.checkpoint`` call (None: torch's defaults, ``True`` and

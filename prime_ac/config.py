@@ -35,8 +35,9 @@ class ACConfig:
     mandatory operators, ``"full_moe"`` also replays the FP8 Mega MoE, ``"projections"``,
     ``"attention"`` and ``"matmul"`` keep fixed sets, ``"selective"`` keeps ``targets``.
     ``freq=k`` checkpoints every k-th block; ``targets=None`` means the defaults;
-    ``targets="auto"`` with ``budget`` (bytes per block, a fraction of the no-AC activation
-    memory, or ``{block name: bytes}``) lets prime_ac choose from a profiled step.
+    ``targets="auto"`` with ``budget`` (the step's peak activation memory in bytes, an int or a
+    string such as ``"24GiB"``; a float fraction of the no-AC activation memory; or
+    ``{block name: bytes}``) lets prime_ac choose from a profiled step.
     ``early_stop`` and ``determinism_check`` go to each region's
     ``torch.utils.checkpoint.checkpoint`` call (torch's defaults), and so does
     ``preserve_rng_state``.
@@ -93,8 +94,9 @@ class ACConfig:
                 )
             if self.budget is None:
                 raise ValueError(
-                    'targets="auto" needs budget=: bytes per block (int) or a fraction of the '
-                    "no-AC activation memory (float in [0, 1])"
+                    'targets="auto" needs budget=: the peak activation memory in bytes (an int, '
+                    "or a string such as '24GiB') or a fraction of the no-AC activation memory "
+                    "(float in [0, 1])"
                 )
             check_budget(self.budget)
         elif self.budget is not None:
@@ -280,9 +282,9 @@ def check_checkpoint_options(early_stop: Any, determinism_check: Any) -> None:
 
 
 def check_budget(budget: Any) -> None:
-    """Raise ValueError unless ``budget`` is bytes per block (int >= 0), a fraction of the whole
-    model's no-AC activation memory (finite float in [0, 1]) or a ``{block name: bytes}``
-    mapping."""
+    """Raise ValueError unless ``budget`` is the step's peak activation memory (bytes: an int
+    >= 0 or a string with a unit, ``"24GiB"``), a fraction of the whole model's no-AC activation
+    memory (finite float in [0, 1]) or a ``{block name: bytes}`` mapping."""
     if isinstance(budget, Mapping):
         for block, value in budget.items():
             if not isinstance(block, str):
@@ -297,12 +299,15 @@ def check_budget(budget: Any) -> None:
         return
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget < 0:
         raise ValueError(
-            f"budget={budget!r} must be bytes per block (int >= 0), a fraction of the whole "
-            "model's no-AC activation memory (float in [0, 1]), a {block name: bytes} mapping, "
-            "or the step's peak activation memory as a string with a unit ('24GiB')"
+            f"budget={budget!r} must be the step's peak activation memory in bytes (an int >= 0, "
+            "or a string with a unit such as '24GiB'), a fraction of the whole model's no-AC "
+            "activation memory (float in [0, 1]) or a {block name: bytes} mapping"
         )
     if isinstance(budget, float) and not (math.isfinite(budget) and budget <= 1):
-        raise ValueError(f"budget={budget!r}: a fraction must lie in [0, 1]; bytes are an int")
+        raise ValueError(
+            f"budget={budget!r}: a fraction must lie in [0, 1]; peak bytes are an int or "
+            "a string such as '24GiB'"
+        )
 
 
 def _prime_rl_meaning(table: Mapping[str, Any]) -> dict[str, Any]:

@@ -150,12 +150,30 @@ def test_budget_is_respected_and_more_budget_never_replays_more(dense_step):
     assert replayed[0] > replayed[-1] == 0  # everything worth keeping fits in the whole budget
 
 
+def test_budget_in_bytes_is_the_steps_peak(dense_step):
+    base, loss = dense_step
+    peaks = {}
+    for budget in (200_000, "200000B"):  # an int is bytes as a string with a unit is
+        model = copy.deepcopy(base)
+        prime_ac.checkpoint_blocks(
+            model, mode="selective", targets="auto", budget=budget, profile=loss
+        )
+        plans = [block._prime_ac.plan for block in model.layers]
+        peak = plans[0].peak
+        assert peak is not None and all(p.peak is peak for p in plans)  # one plan for the step
+        peaks[budget] = (peak.budget, peak.decisions, peak.measured)
+    assert peaks[200_000][1] == peaks["200000B"][1]
+    assert peaks[200_000][0] <= 200_000
+
+
 def test_budget_in_bytes_per_block(dense_step):
     base, loss = dense_step
     model = copy.deepcopy(base)
-    prime_ac.checkpoint_blocks(model, mode="selective", targets="auto", budget=20_000, profile=loss)
+    budget = {"layers.0": 20_000, "layers.1": 20_000}
+    prime_ac.checkpoint_blocks(model, mode="selective", targets="auto", budget=budget, profile=loss)
     plans = [block._prime_ac.plan for block in model.layers]
     assert all(p.budget_bytes == 20_000 and 0 < p.kept_bytes <= 20_000 for p in plans)
+    assert all(p.peak is None for p in plans)
 
 
 @pytest.mark.parametrize(

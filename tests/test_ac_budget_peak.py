@@ -113,3 +113,11 @@ def test_audit_prints_predicted_and_measured_peak(base):
     peak = plans[0].peak
     assert report.peak == (peak.budget, peak.simulation.peak, peak.measured)
     assert "peak activation memory: budget" in str(report) and "measured" in str(report)
+
+
+def test_audit_command_takes_a_peak_budget(capsys):
+    from prime_ac.__main__ import main
+
+    assert main(["audit", "--targets", "auto", "--budget", "6MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "peak activation memory: budget 6.000 MiB, predicted" in out and "measured" in out

@@ -237,7 +237,11 @@ def test_own_regions_take_scoped_targets_once_the_region_is_tracked():
 def test_a_budget_plan_reapplied_as_scoped_targets_keeps_the_same_calls():
     model = _dense()
     prime_ac.checkpoint_blocks(
-        model, mode="selective", targets="auto", budget=40_000, profile=_loss
+        model,
+        mode="selective",
+        targets="auto",
+        budget={f"layers.{i}": 40_000 for i in range(len(model.layers))},  # bytes per block
+        profile=_loss,
     )
     plan = checkpoint_state(model.layers[0]).plan
     planned = prime_ac.audit(model, _loss)

@@ -137,7 +137,8 @@ def test_help_has_no_markup_and_every_option_says_its_default():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--budget", "2", "--targets", "auto"], "argument --budget: '2' is not a fraction"),
+        (["--budget", "2", "--targets", "auto"], "argument --budget: '2' is neither a fraction"),
+        (["--budget", "6 parsecs", "--targets", "auto"], "nor a peak with a unit (e.g. 6MiB"),
         (["--budget", "0.3"], "--budget applies only with --targets auto"),
         (["--targets", "auto"], "--targets auto needs --mode selective"),
         (["--targets", "aten:mm"], "argument --targets: invalid operator target 'aten:mm'"),
