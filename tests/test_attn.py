@@ -307,6 +307,36 @@ def test_head_dim_limits_of_backward_and_arch():
     flash.fa2_head_dims(12, 12, 80, True)  # padded to 16 by the adapter
 
 
+@pytest.mark.parametrize("arch", [100, 103, 120])
+def test_fa3_refused_from_sm100_on(arch):
+    """FA3's SM90 kernels (sm_90a only) are what it picks on every arch from SM90 up."""
+    with pytest.raises(ValueError, match=rf"'fa3' has no kernel for SM{arch}: .*use 'fa4'"):
+        flash.fa3_head_dims(128, 128, arch, False)
+    flash.fa3_head_dims(128, 128, 86, True)  # FA3's SM8x kernels
+    flash.fa3_head_dims(128, 128, None, True)  # arch unknown while tracing: not refused
+
+
+def test_fa3_refused_on_fake_cuda_for_a_blackwell_device(monkeypatch):
+    monkeypatch.setenv("FLASH_ATTENTION_ARCH", "sm_100")
+    with FakeTensorMode(), pytest.raises(ValueError, match="'fa3' has no kernel for SM100"):
+        q = torch.empty(8, 2, 128, dtype=torch.bfloat16, device="cuda")
+        cu = torch.empty(3, dtype=torch.int32, device="cuda")
+        varlen_attention(q, q, q, cu, cu, 8, 8, backend="fa3")
+
+
+def test_fa4_softcap_refused_in_the_sm100_head_dim_256_backward(monkeypatch):
+    monkeypatch.delenv("FLASH_ATTENTION_HD256_GENERIC_BWD", raising=False)
+    for arch in (100, 110):
+        with pytest.raises(ValueError, match=rf"'fa4' .* SM{arch} backward .* softcap=5.0"):
+            flash.fa4_softcap(256, 256, arch, 5.0)
+        flash.fa4_softcap(256, 256, arch, 0.0)
+        flash.fa4_softcap(128, 128, arch, 5.0)
+    flash.fa4_softcap(256, 256, 90, 5.0)
+    flash.fa4_softcap(256, 256, None, 5.0)
+    monkeypatch.setenv("FLASH_ATTENTION_HD256_GENERIC_BWD", "1")  # FA4's general kernel
+    flash.fa4_softcap(256, 256, 100, 5.0)
+
+
 def test_fa4_head_dims_refused_on_fake_cuda_for_the_device_arch(monkeypatch):
     monkeypatch.setenv("FLASH_ATTENTION_ARCH", "sm_100")
     with FakeTensorMode():

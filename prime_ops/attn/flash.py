@@ -10,8 +10,10 @@ translates the conventions that differ between them:
   ``+inf`` when the batch has no key at all (``hopper/flash_api.cpp``, ``mha_fwd``: ``total_k ==
   0`` branch); FA4 already uses ``-inf``.
 - lse layout: all three return ``[H, total_q]`` fp32 for varlen inputs, as the contract does.
-- head dims: each library's own limits are mirrored by ``fa*_head_dims`` below, so a call the
-  kernel would refuse fails before launch (also while tracing), naming the backend and the rule.
+- head dims: each library's own limits (and FA3's architectures) are mirrored by
+  ``fa*_head_dims`` below, so a call the kernel would refuse fails before launch (also while
+  tracing), naming the backend and the rule; ``fa4_softcap`` adds FA4's one softcap limit, in
+  the backward adapter, before FA4 is called.
 
 Libraries are imported on the first call through :func:`prime_ops.backends.import_backend`.
 """
@@ -42,6 +44,7 @@ __all__ = [
     "fa4_backward",
     "fa4_forward",
     "fa4_head_dims",
+    "fa4_softcap",
 ]
 
 FA3_BUILD = (
@@ -102,7 +105,14 @@ def fa2_head_dims(head_dim: int, head_dim_v: int, arch: int | None, backward: bo
 def fa3_head_dims(head_dim: int, head_dim_v: int, arch: int | None, backward: bool) -> None:
     """FA3 (``hopper/flash_api.cpp`` ``mha_fwd`` / ``mha_bwd``): multiples of 8, Q/K at most 256;
     V may differ from Q/K only for Q/K in (128, 192] with V in (96, 128], or Q/K <= 64 with
-    V <= 512, and only on Hopper; the backward takes max(Q/K, V) <= 256."""
+    V <= 512, and only on Hopper; the backward takes max(Q/K, V) <= 256. No kernel from SM100 on:
+    ``ARCH_SWITCH`` (``hopper/static_switch.h``) sends every arch >= 90 to the SM90 kernels, which
+    ``hopper/setup.py`` builds for sm_90a only (SM8x has its own, built for sm_80)."""
+    if arch is not None and arch >= 100:
+        raise ValueError(
+            f"backend 'fa3' has no kernel for SM{arch}: FA3 sends every arch from SM90 up to its "
+            "SM90 kernels, built for sm_90a only, so the launch would fail; use 'fa4' (or 'fa2')"
+        )
     dims = f"(q/k {head_dim}, v {head_dim_v})"
     if head_dim % 8 or head_dim_v % 8 or head_dim < 8 or head_dim_v < 8:
         _refuse("fa3", dims, "FA3 needs head dims that are positive multiples of 8")
@@ -156,6 +166,27 @@ def fa4_head_dims(head_dim: int, head_dim_v: int, arch: int | None, backward: bo
             )
     if backward and family == 8:
         _refuse("fa4", dims, "FA4 has no backward on SM8x; use 'fa2' there")
+
+
+def fa4_softcap(head_dim: int, head_dim_v: int, arch: int | None, softcap: float) -> None:
+    """FA4's backward (``flash_attn/cute/interface.py``, ``_flash_attn_bwd``) runs head dims
+    (256, 256) on SM100/SM110 in a dedicated kernel and asserts ``softcap == 0.0`` for it, unless
+    ``FLASH_ATTENTION_HD256_GENERIC_BWD=1`` picks its general kernel, which takes softcap. Called
+    by the backward adapter: the checks in the fake see head dims only."""
+    if (
+        softcap > 0.0
+        and arch is not None
+        and arch // 10 in (10, 11)
+        and (head_dim, head_dim_v) == (256, 256)
+        and os.environ.get("FLASH_ATTENTION_HD256_GENERIC_BWD", "0") != "1"
+    ):
+        _refuse(
+            "fa4",
+            f"(q/k {head_dim}, v {head_dim_v})",
+            f"FA4's SM{arch} backward for head dims (256, 256) has no softcap (got "
+            f"softcap={softcap}); use 'fa2', softcap=0, or FLASH_ATTENTION_HD256_GENERIC_BWD=1 "
+            "(FA4's general backward kernel)",
+        )
 
 
 # --- FA2 ---------------------------------------------------------------------------------------
@@ -312,6 +343,7 @@ def fa4_forward(q: Tensor, k: Tensor, v: Tensor, a: VarlenArgs) -> tuple[Tensor,
 def fa4_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, a: VarlenArgs
 ) -> tuple[Tensor, Tensor, Tensor]:
+    fa4_softcap(q.shape[-1], v.shape[-1], cuda_arch(q.device), a.softcap)
     grads = _fa4()._flash_attn_bwd(
         q,
         k,

@@ -63,20 +63,22 @@ def require(distribution: str, versions: tuple[str, ...]) -> str:
 
 
 class Runs:
-    """One runner process per architecture (``python cases.py LIBRARY ARCH``), all started at
-    once so they compile in parallel; each one's JSON rows are read when first asked for."""
+    """One runner process per architecture (``python cases.py LIBRARY ARCH [CASE...]``, with
+    ``env`` added to this process's), all started at once so they compile in parallel; each one's
+    JSON rows are read when first asked for."""
 
-    def __init__(self, library: str, arches, timeout: float = 1200.0):
+    def __init__(self, library: str, arches, timeout: float = 1200.0, names=(), env=None):
         import subprocess
 
         self._timeout = timeout
         self._rows: dict[str, list[dict]] = {}
         self._procs = {
             arch: subprocess.Popen(
-                [sys.executable, __file__, library, arch],
+                [sys.executable, __file__, library, arch, *names],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
+                env={**os.environ, **(env or {})},
             )
             for arch in arches
         }
@@ -142,6 +144,8 @@ FA4_REFUSED = {
     # forward refusals (backward=False) and a backward refusal
     "hdim264_sm90": AttnCase((64,), h=2, hkv=2, d=264, dv=264, arches=("sm_90",), backward=False),
     "hdim136_sm100": AttnCase((64,), h=2, hkv=2, d=136, dv=136, arches=("sm_100",), backward=False),
+    # FA4's dedicated (256, 256) SM100 backward asserts softcap == 0 (prime_ops refuses it in
+    # its kernel; FLASH_ATTENTION_HD256_GENERIC_BWD=1 takes it, test_fa4_compile.py)
     "hdim256_softcap_bwd_sm100": AttnCase(
         (64,), h=2, hkv=2, d=256, dv=256, softcap=5.0, arches=("sm_100",)
     ),

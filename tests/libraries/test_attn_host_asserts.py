@@ -86,6 +86,8 @@ ASSERTS = {
     "fa3.dv_arch": "dprops->major == 9: Only Hopper supports different V headdim",
     "fa3.head_mult": "head_size % 8 == 0 and head_size_v % 8 == 0 (16 for fp8)",
     "fa3.deterministic": "!deterministic || head_size_rounded < 256",
+    "fa3.kernel": "ARCH_SWITCH (hopper/static_switch.h) runs the SM90 kernels for arch >= 90, "
+    "built for sm_90a only (hopper/setup.py: cc_flag): no kernel image from SM100 on (at launch)",
     # FlashMLA sparse_attn_prefill_interface and the kernels it launches
     "mla.arch": "is_sm90a (9.0) || is_sm100f (10.x): Sparse Attention Forward Kernel is only "
     "supported on SM90a and SM100f architectures.",
@@ -111,7 +113,8 @@ STRICTER = {
 
 
 class HostAssert(RuntimeError):
-    """A recorded host assert failed: what the library would raise (its TORCH_CHECK)."""
+    """A recorded host assert failed: what the library would raise (its TORCH_CHECK; for
+    ``fa3.kernel``, the launch's CUDA error)."""
 
     def __init__(self, key: str):
         super().__init__(f"{key}: {ASSERTS[key]}")
@@ -212,6 +215,7 @@ class StandInFA3:
 
     def _common(self, q, k, v, cu_q, cu_k, others=()):
         _require(Device.major >= 8, "fa3.arch")
+        _require(Device.major < 10, "fa3.kernel")
         _require(all(t.dtype == q.dtype for t in (k, v, *others)), "fa3.same_dtype")
         _require(all(t.stride(-1) == 1 for t in (q, k, v, *others)), "fa3.last_dim")
         return _varlen_shapes("fa3", q, k, v, cu_q, cu_k, same_dv=False)
@@ -449,6 +453,7 @@ def test_the_architectures_decide_what_runs(libs):
     hopper = Device.major == 9
     assert reached["fa3", 192, 128] == reached["fa3", 64, 512] == hopper
     assert not reached["fa3", 128, 64]
+    assert reached["fa3", 64, 64] == reached["fa3", 256, 256] == (Device.major < 10)
 
 
 # --- FlashMLA: prime_rl::sparse_mla with backend="flashmla" ---------------------------------------

@@ -65,18 +65,33 @@ def test_prime_ops_call_compiles_in_fa4(fa4, arch, name, record_property):
 
 @pytest.mark.parametrize(("arch", "name"), REFUSED)
 def test_calls_fa4_refuses_never_reach_a_launch(fa4, arch, name):
-    """FA4 itself refuses these; prime_ops refuses the head dims first, in its fake (so also
-    while tracing), naming the backend and the rule. The SM100 head-dim-256 backward with
-    softcap passes prime_ops' checks, which know head dims only: FA4's assert reaches the caller."""
+    """FA4 itself refuses these; prime_ops refuses first, naming the backend, the arch and the
+    rule: the head dims in its fake (so also while tracing), the SM100 head-dim-256 backward with
+    softcap in its kernel, before FA4's call (the fake's checks see head dims only)."""
     case = cases.FA4_REFUSED[name]
     row = fa4.row(arch, case=name)
     assert row["fa4"].startswith("AssertionError: ")
+    refusal = row["prime_ops"]
     if case.softcap:
-        assert row["prime_ops_kernel"] == row["fa4"]
         assert "softcap" in row["fa4"]
-    else:
-        assert row["prime_ops"].startswith("ValueError: backend 'fa4' cannot run head dims")
-        assert f"SM{arch.removeprefix('sm_')}" in row["prime_ops"]
+        assert refusal == ""
+        refusal = row["prime_ops_kernel"]
+        assert "softcap=5.0" in refusal and "FLASH_ATTENTION_HD256_GENERIC_BWD=1" in refusal
+    assert refusal.startswith("ValueError: backend 'fa4' cannot run head dims")
+    assert f"SM{arch.removeprefix('sm_')}" in refusal
+
+
+def test_softcap_hdim256_backward_runs_on_fa4s_general_kernel():
+    """With ``FLASH_ATTENTION_HD256_GENERIC_BWD=1`` FA4 compiles the softcap backward for head
+    dims (256, 256) on SM100 in its general kernel, and prime_ops lets it through."""
+    runs = cases.Runs(
+        "fa4",
+        ["sm_100"],
+        names=["hdim256_softcap_bwd_sm100"],
+        env={"FLASH_ATTENTION_HD256_GENERIC_BWD": "1"},
+    )
+    row = runs.row("sm_100", case="hdim256_softcap_bwd_sm100")
+    assert row["fa4"] == row["prime_ops"] == row["prime_ops_kernel"] == ""
 
 
 def test_head_dim_rules_match_fa4():
