@@ -25,6 +25,9 @@ accounting and the gradients where no GPU exists.
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
 import weakref
 from collections import deque
 from dataclasses import dataclass
@@ -33,6 +36,8 @@ from typing import Any
 import torch
 
 __all__ = ["Ledger", "Offloader", "SavedInputOffload"]
+
+logger = logging.getLogger("prime_ac")
 
 
 @dataclass
@@ -322,17 +327,118 @@ class Offloader:
         return self._stream
 
 
+class _Kept:
+    """A saved tensor left where it is, with the version it was saved at: autograd checks no
+    version under saved-tensor hooks, so the unpack does."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor, version: int):
+        self.tensor, self.version = tensor, version
+
+
+class _Copy:
+    """What the offload owns for one saved tensor: its host buffer (back to the pool when the
+    graph releases the tensor) and, on CUDA, the device tensor until the outbound copy is done."""
+
+    __slots__ = ("buffer", "device", "event", "key", "nbytes")
+
+    def __init__(self, buffer: torch.Tensor, key: tuple, nbytes: int):
+        self.buffer, self.key, self.nbytes = buffer, key, nbytes
+        self.device: torch.Tensor | None = None
+        self.event: Any = None
+
+
+class _Saved:
+    """What autograd's graph holds in place of one offloaded saved tensor. Dropped by the graph
+    (after the backward that reads it, or when the graph is freed), it hands its host buffer
+    back (``weakref.finalize``)."""
+
+    __slots__ = (
+        "__weakref__",
+        "back",
+        "copy",
+        "host",
+        "previous",
+        "source",
+        "version",
+        "where",
+        "witness",
+    )
+
+    def __init__(self, copy: _Copy, host: torch.Tensor, where: torch.device):
+        self.copy, self.host, self.where = copy, host, where
+        self.back: tuple[torch.Tensor, Any] | None = None  # CUDA: an inbound copy under way
+        self.previous: weakref.ref | None = None  # the record saved before it, same entry
+        self.source: weakref.ref | None = None  # the tensor saved (the same one saved again)
+        self.version = 0
+        self.witness: torch.Tensor | None = None
+
+
+def _witness(t: torch.Tensor) -> torch.Tensor:
+    """A tensor with no storage that shares ``t``'s version counter: it tells whether ``t`` (or
+    any alias of it) was written in place, without holding ``t``'s memory. Emptying it bumps the
+    shared counter once, which is undone (another saved copy of ``t`` must not see a write)."""
+    witness = t.detach()
+    with torch.autograd._unsafe_preserve_version_counter(t):
+        witness.set_()
+    return witness
+
+
+def _modified(kind: str, shape: Any, now: int, saved: int) -> RuntimeError:
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace "
+        f"operation: [{kind} {list(shape)}] is at version {now}; expected version {saved} "
+        "instead. (prime_ac.SavedInputOffload checks what autograd does not check under "
+        "saved-tensor hooks; without the offload, backward raises the same.)"
+    )
+
+
+def _host_memory_used() -> float | None:
+    """The fraction of host RAM in use, as prime-rl reads it (total less available), or None
+    where it cannot be read cheaply (Linux: /proc/meminfo; else os.sysconf's free pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        total = int(info["MemTotal"].split()[0])
+        available = int(info["MemAvailable"].split()[0])
+    except (OSError, KeyError, ValueError):
+        try:
+            total, available = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_AVPHYS_PAGES")
+        except (AttributeError, OSError, ValueError):
+            return None
+    return 1 - available / total if total > 0 else None
+
+
+_HOST_MEMORY_WARNING = 0.9  # prime-rl's: warn once host RAM is over 90% used
+
+
 class SavedInputOffload:
     """prime-rl's ``[trainer.model.ac_offloading]``: what autograd saves outside the
     checkpointed regions (with full AC, each block's input) goes to host memory.
 
     Enter it around the forward (``with offload: loss = model(batch)``). Each saved tensor
     that owns its storage is copied to the host as it is saved (CUDA: on a side stream into a
-    pinned buffer pooled by shape and dtype, so later steps allocate nothing; the device tensor
-    is held until its copy is done, at most ``max_inflight`` copies in flight); backward brings
-    it back, and starts bringing back the tensor saved before it, which backward needs next.
-    Parameters, views and tensors with fewer than ``min_bytes`` are left where they are. On
-    CPU the host copy is a separate tensor and :attr:`ledger` counts its bytes.
+    pinned buffer, the device tensor held until its copy is done, at most ``max_inflight``
+    copies in flight); backward brings it back, and starts bringing back the tensor saved
+    before it in the same forward, which backward needs next. Parameters, views, tensor
+    subclasses and tensors with fewer than ``min_bytes`` are left where they are.
+
+    A host buffer belongs to the graph that saved into it until autograd drops the saved
+    tensor (after the backward that reads it, or when the graph is freed); then it goes back
+    to a pool that later saves of the same size take from, so steps after the first allocate
+    nothing. Several forwards may be in flight before their backwards (micro-batches,
+    pipeline schedules), and ``retain_graph=True`` backwards read the same host copies again.
+    A saved tensor written in place after it was saved raises in backward, as without the
+    offload (autograd does not check versions under saved-tensor hooks; this does). On CPU
+    the host copy is a separate CPU tensor and :attr:`ledger` counts its bytes.
+
+    CUDA stream order: the side stream waits for the compute stream before each outbound
+    copy; the compute stream waits for an inbound copy before using it, and the inbound
+    tensor is marked used by the side stream (``record_stream``), so its memory is not reused
+    under the copy even if the graph drops it first. A pooled buffer is reused only by a copy
+    on the same device's side stream, queued after every copy that read or wrote it, so a
+    buffer still being copied when its graph let go is never overwritten early.
     """
 
     def __init__(
@@ -346,105 +452,215 @@ class SavedInputOffload:
             )
         self.pin_memory, self.max_inflight, self.min_bytes = pin_memory, max_inflight, min_bytes
         self.ledger = Ledger()
-        self._pool: dict[tuple, list[torch.Tensor]] = {}
-        self._stream: Any = None
-        self._inflight: deque[list] = deque()
-        self._saved: list[list] = []  # in save order; [host, device or None, event, back]
+        self.buffer_allocations = 0  # host buffers allocated (the pool serves the rest)
+        self._pool: dict[tuple, list[torch.Tensor]] = {}  # (nbytes, pinned, device) -> free
+        self._pooled = 0  # bytes in the pool
+        self._lock = threading.RLock()  # a graph may be released on autograd's threads
+        self._streams: dict[torch.device, Any] = {}
+        self._inflight: deque[_Copy] = deque()  # CUDA: outbound copies holding a device tensor
+        self._entry: list[weakref.ref] = []  # the latest entry's records, in save order
         self._hooks: Any = None
+        self._warned = False
 
     def __enter__(self) -> SavedInputOffload:
-        self.step_done()  # the previous step's host buffers are free again
+        if self._hooks is not None:
+            raise RuntimeError(
+                "SavedInputOffload is already entered: enter it once around each forward "
+                "(not nested in itself)"
+            )
+        self._entry = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._hooks.__exit__(*exc)
+        hooks, self._hooks = self._hooks, None
+        hooks.__exit__(*exc)
+        self._poll()
+
+    # --- forward ------------------------------------------------------------------------------
+
+    def _moves(self, t: torch.Tensor) -> bool:
+        buffer = getattr(torch.nn, "Buffer", None)
+        return (
+            type(t) is torch.Tensor  # not Parameter, nn.Buffer, DTensor, FakeTensor, ...
+            and (buffer is None or not isinstance(t, buffer))
+            and t.layout == torch.strided
+            and not t.is_nested
+            and t._base is None
+            and _offloadable(t.detach())
+            and t.untyped_storage().nbytes() >= self.min_bytes
+        )
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if (
-            isinstance(t, torch.nn.Parameter)
-            or t._base is not None
-            or not _offloadable(t.detach())
-            or t.untyped_storage().nbytes() < self.min_bytes
+        if not self._moves(t):
+            return _Kept(t.detach(), t._version)
+        last = self._entry[-1]() if self._entry else None
+        if (  # the same tensor saved again at once (x * x): one host copy serves both
+            last is not None
+            and last.source is not None
+            and last.source() is t
+            and last.version == t._version
         ):
-            return t
+            return last
+        detached = t.detach()
         nbytes = t.untyped_storage().nbytes()
-        if t.device.type == "cpu":
-            record = [t.detach().clone(), None, None, None, nbytes, len(self._saved)]
-        else:
-            host = self._host_buffer(t)
+        cuda = self._streamed(t.device)
+        pinned = cuda and self.pin_memory
+        key = (nbytes, pinned, t.device if cuda else None)
+        copy = _Copy(self._host_buffer(key), key, nbytes)
+        host = copy.buffer.view(t.dtype).as_strided(t.shape, t.stride())  # the saved layout
+        if cuda:
+            # at most max_inflight copies in flight, this one included: wait for the oldest
+            self._poll(None if self.max_inflight is None else self.max_inflight - 1)
             stream = self._side(t.device)
             stream.wait_stream(torch.cuda.current_stream(t.device))
             with torch.cuda.stream(stream):
-                host.copy_(t.detach(), non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(stream)
-            record = [host, t.detach(), event, None, nbytes, len(self._saved)]
-            self._inflight.append(record)
-            while len(self._inflight) > (self.max_inflight or len(self._inflight)) or (
-                self._inflight and self._inflight[0][2].query()
-            ):
-                done = self._inflight.popleft()
-                done[2].synchronize()
-                done[1] = None  # the device copy is dropped once its copy is done
-        self._saved.append(record)
-        self.ledger.offloaded += 1
-        self.ledger.add(host=nbytes)
+                host.copy_(detached, non_blocking=True)
+                copy.event = torch.cuda.Event()
+                copy.event.record(stream)
+            copy.device = detached  # held until the copy has read it
+        else:  # the "host" copy: a separate CPU tensor, made now
+            host.copy_(detached)
+        record = _Saved(copy, host, t.device)
+        record.version, record.witness = t._version, _witness(t)
+        record.source = weakref.ref(t)
+        record.previous = self._entry[-1] if self._entry else None
+        weakref.finalize(record, self._release, copy).atexit = False
+        self._entry.append(weakref.ref(record))
+        with self._lock:
+            self.ledger.offloaded += 1
+            self.ledger.add(host=nbytes, device=nbytes if cuda else 0)
+            if cuda:
+                self._inflight.append(copy)
         return record
 
+    def _host_buffer(self, key: tuple) -> torch.Tensor:
+        nbytes, pinned, _ = key
+        with self._lock:
+            free = self._pool.get(key)
+            if free:
+                self._pooled -= nbytes
+                return free.pop()
+            # a size not pooled: drop pooled buffers of other sizes rather than let the pool and
+            # the live copies outgrow the most the live copies have needed (shapes that change
+            # from step to step would otherwise pile up host memory)
+            limit = max(self.ledger.peak_host, self.ledger.host + nbytes)
+            for other, buffers in sorted(self._pool.items(), key=lambda kv: -kv[0][0]):
+                while buffers and self.ledger.host + self._pooled + nbytes > limit:
+                    buffers.pop()
+                    self._pooled -= other[0]
+                if not buffers:
+                    self._pool.pop(other, None)
+            self.buffer_allocations += 1
+        buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        self._check_host_memory()
+        return buffer
+
+    def _check_host_memory(self) -> None:
+        if self._warned:
+            return
+        used = _host_memory_used()
+        if used is not None and used > _HOST_MEMORY_WARNING:
+            self._warned = True
+            logger.warning(
+                "prime_ac: host memory is %.0f%% used with %.2f GiB of offloaded activations "
+                "held (SavedInputOffload, prime-rl's [trainer.model.ac_offloading]); the host "
+                "may run out: fewer micro-batches in flight, or less offloading, would help. "
+                "Logged once.",
+                100 * used,
+                self.ledger.host / 2**30,
+            )
+
+    def _poll(self, bound: int | None = None) -> None:
+        """Drop the device tensors whose outbound copies are done, and wait for the oldest
+        while more than ``bound`` copies are in flight."""
+        while True:
+            with self._lock:
+                if not self._inflight:
+                    return
+                copy = self._inflight[0]
+                over = bound is not None and len(self._inflight) > bound
+                if not over and not copy.event.query():
+                    return
+                self._inflight.popleft()
+            if over:
+                copy.event.synchronize()
+            with self._lock:
+                copy.device = None
+                self.ledger.add(device=-copy.nbytes)
+
+    def _release(self, copy: _Copy) -> None:
+        """The graph dropped the record: its host buffer goes back to the pool."""
+        with self._lock:
+            self.ledger.add(host=-copy.nbytes)
+            self._pool.setdefault(copy.key, []).append(copy.buffer)
+            self._pooled += copy.nbytes
+            copy.buffer = None
+        self._poll()  # a device tensor its copy no longer needs goes now, not at the next save
+
+    # --- backward -----------------------------------------------------------------------------
+
     def _unpack(self, record: Any) -> torch.Tensor:
-        if isinstance(record, torch.Tensor):
-            return record
+        if isinstance(record, _Kept):
+            t = record.tensor
+            if t._version != record.version:
+                raise _modified(t.type(), t.shape, t._version, record.version)
+            return t
+        if record.witness._version != record.version:
+            w = record.witness
+            raise _modified(w.type(), record.host.shape, w._version, record.version)
         value = self._bring(record)
-        position = record[5]
-        if position > 0 and position - 1 < len(self._saved):
-            self._start_back(self._saved[position - 1])  # prefetch what backward needs next
+        previous = record.previous() if record.previous is not None else None
+        if previous is not None:
+            self._start_back(previous)  # prefetch what backward needs next
         return value
 
-    def _bring(self, record: list) -> torch.Tensor:
-        if record[1] is not None and record[2] is not None:  # still on the device
-            return record[1]
-        if record[2] is None:  # CPU
-            return record[0].clone()
+    def _bring(self, record: _Saved) -> torch.Tensor:
+        if not self._streamed(record.where):
+            return record.host.clone()  # a tensor of its own: the buffer outlives no graph
+        device = record.copy.device
+        if device is not None:  # still held (its copy in flight): the same values
+            return device
+        self._poll()
         self._start_back(record)
-        device, event = record[3]
-        torch.cuda.current_stream(device.device).wait_event(event)
+        (device, event), record.back = record.back, None  # one tensor per unpack
+        torch.cuda.current_stream(record.where).wait_event(event)
         return device
 
-    def _start_back(self, record: list) -> None:
-        if record[2] is None or record[3] is not None or record[1] is not None:
+    def _start_back(self, record: _Saved) -> None:
+        if (
+            not self._streamed(record.where)
+            or record.back is not None
+            or record.copy.device is not None
+        ):
             return
-        host = record[0]
-        device = torch.device("cuda", torch.cuda.current_device())
-        dev = torch.empty(host.shape, dtype=host.dtype, device=device)
-        stream = self._side(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
+        host, where = record.host, record.where
+        device = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=where)
+        stream = self._side(where)
+        stream.wait_stream(torch.cuda.current_stream(where))
         with torch.cuda.stream(stream):
-            dev.copy_(host, non_blocking=True)
+            device.copy_(host, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
-        record[3] = (dev, event)
+        device.record_stream(stream)  # freed before its copy is done: not reused under it
+        record.back = (device, event)
 
-    def _host_buffer(self, t: torch.Tensor) -> torch.Tensor:
-        key = (tuple(t.shape), t.dtype)
-        free = self._pool.get(key)
-        if free:
-            return free.pop()
-        return torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin_memory)
-
-    def step_done(self) -> None:
-        """After backward: the host buffers go back to the pool for the next step."""
-        for record in self._saved:
-            if record[2] is not None:
-                self._pool.setdefault((tuple(record[0].shape), record[0].dtype), []).append(
-                    record[0]
-                )
-            self.ledger.add(host=-record[4])
-        self._saved = []
-        self._inflight.clear()
+    @staticmethod
+    def _streamed(device: torch.device) -> bool:
+        """Copies of this device's tensors run on a side stream (CUDA); else they are made at
+        once (CPU). Tests stand CPU in for CUDA through it, with stand-in streams."""
+        return device.type == "cuda"
 
     def _side(self, device: torch.device) -> Any:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device)
-        return self._stream
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        return stream
+
+    @property
+    def _saved(self) -> list[tuple[torch.Tensor, _Saved]]:
+        """The latest entry's records still held by a graph, as (host copy, record) pairs in
+        save order (tests reach the host copies through it)."""
+        records = [r() for r in self._entry]
+        return [(r.host, r) for r in records if r is not None]

@@ -157,7 +157,7 @@ class _Region:
     def context_fn(self, inner: Callable[[], tuple[Any, Any]]) -> Callable[[], tuple[Any, Any]]:
         def contexts() -> tuple[Any, Any]:
             forward, recompute = inner()
-            return forward, self._recompute(recompute)
+            return forward, _EachEntry(lambda: self._recompute(recompute))
 
         return contexts
 
@@ -231,6 +231,25 @@ def _restore(container: list | dict, contents: list | dict) -> None:
     else:
         container.clear()
         container.update({k: plain(v) for k, v in contents.items()})
+
+
+class _EachEntry:
+    """A context manager made anew on each entry: torch enters a region's recompute context once
+    per backward through it, twice where ``retain_graph=True`` keeps the graph for another."""
+
+    __slots__ = ("_entered", "_make")
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self._make, self._entered = make, []
+
+    def __enter__(self) -> Any:
+        context = self._make()
+        value = context.__enter__()
+        self._entered.append(context)
+        return value
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self._entered.pop().__exit__(*exc)
 
 
 def _tree(module: nn.Module, out: list[nn.Module]) -> list[nn.Module]:
