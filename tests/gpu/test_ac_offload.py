@@ -8,6 +8,7 @@ gradients. Times are printed, never asserted.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 
@@ -17,7 +18,7 @@ from torch import nn
 
 import prime_ac
 from prime_ac.budget import budget_context_fn
-from prime_ac.offload import Offloader
+from prime_ac.offload import Offloader, SavedInputOffload
 from prime_ac.wrapping import checkpoint_state, wrap_block
 
 pytestmark = [
@@ -205,3 +206,76 @@ def test_measured_replay_times_and_copy_bandwidth(setup):
     peak = m.layers[0]._prime_ac.plan.peak
     assert peak.bandwidth == pytest.approx(first * 0.7)
     print(f"copy bandwidth {first / 1e9:.1f} GB/s; slowest matmul {max(seconds.values()):.2e} s")
+
+
+class SlowInputCopies(SavedInputOffload):
+    """prime-rl's offloader with every copy (out and back) behind a sleep on the side stream."""
+
+    def _side(self, device):
+        stream = super()._side(device)
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(SLEEP_CYCLES)
+        return stream
+
+
+@pytest.mark.parametrize("offload_class", [SavedInputOffload, SlowInputCopies])
+def test_input_offload_bitwise_with_two_forwards_in_flight(setup, offload_class):
+    """prime-rl's [trainer.model.ac_offloading] on full AC: two micro-batches' forwards before
+    their backwards (the reward-model loop), each block input in pinned host memory; the pool
+    serves every step after the first."""
+    model, x, expected = setup
+    model = copy.deepcopy(model)
+    prime_ac.checkpoint_blocks(model, mode="full")
+    offload = offload_class(pin_memory=True, max_inflight=2)
+    allocations = []
+    for _ in range(3):
+        model.zero_grad()
+        with offload:
+            first = model(x)
+        with offload:
+            second = model(x)
+        assert all(host.is_pinned() for host, _ in offload._saved)
+        (0.5 * first + 0.5 * second).backward()
+        del first, second
+        torch.cuda.synchronize()
+        allocations.append(offload.buffer_allocations)
+        for n, p in model.named_parameters():
+            assert torch.equal(p.grad, expected[n]), n
+        assert offload.ledger.host == 0
+    assert allocations[0] >= 2 * LAYERS and allocations[1:] == [allocations[0]] * 2
+    assert offload.ledger.peak_device <= 2 * TOKENS * DIM * 2  # max_inflight bf16 inputs
+
+
+def test_step_time_and_peak_against_prime_rls_offloader(setup):
+    """Full AC alone and with prime-rl's offloader (this one: side stream, prefetch), and
+    selective: the peak memory each step reaches and its time, printed (never asserted)."""
+    model, x, _ = setup
+    rows = {}
+    for name, mode, offload in (
+        ("full", "full", None),
+        ("full + ac_offloading", "full", SavedInputOffload(pin_memory=True)),
+        ("selective", "selective", None),
+    ):
+        m = copy.deepcopy(model)
+        prime_ac.checkpoint_blocks(m, mode=mode)
+
+        def step(m=m, offload=offload):
+            with offload if offload is not None else contextlib.nullcontext():
+                loss = m(x)
+            loss.backward()
+
+        step()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            m.zero_grad(set_to_none=False)
+            step()
+        end.record()
+        torch.cuda.synchronize()
+        rows[name] = (start.elapsed_time(end) / 3, torch.cuda.max_memory_allocated() - base)
+    for name, (ms, peak) in rows.items():
+        print(f"{name}: {ms:.2f} ms per step, peak {peak / 2**20:.1f} MiB above the step's start")
+    assert rows["full + ac_offloading"][1] < rows["full"][1]  # the block inputs left the device
