@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +50,8 @@ from prime_ac.policy import OperatorPolicy
 from prime_ac.scopes import ScopeRules, split_targets
 from prime_ac.targets import Target, TargetSet
 from prime_ac.wrapping import checkpoint_state, wrap_block, wrapped_blocks
+
+logger = logging.getLogger("prime_ac")
 
 __all__ = [
     "FLOP_RATE",
@@ -337,7 +340,8 @@ def profiles(
     (:class:`prime_ac.measure.CallTimer`, on CUDA), else its FLOPs at ``FLOP_RATE``.
 
     What the model holds whatever its blocks keep (their inputs, activations outside the
-    blocks) is spread over the blocks' inputs.
+    blocks) is spread over the blocks' inputs; what autograd saved for each block without
+    checkpointing (measured in the same step) is its recompute's working set.
     """
     mandatory = sum(
         c.bytes
@@ -362,7 +366,8 @@ def profiles(
             time = time if c.replayed and kind != "view" else 0.0
             size = 0 if kind == "view" else c.bytes  # a view or an in-place write: no new bytes
             calls.append(planner.Call(op_name(c.op), c.index, size, time, kind))
-        blocks.append(planner.BlockProfile(name, tuple(calls), base))
+        saved = report.block_held_bytes_no_ac.get(name)
+        blocks.append(planner.BlockProfile(name, tuple(calls), base, saved))
     return planner.agree(blocks)
 
 
@@ -423,6 +428,11 @@ def plan_peak(
     return plans
 
 
+# A first plan measured under its prediction by more than this share of the budget is planned
+# again with the difference given back (the simulator over-counts some models' working sets).
+CALIBRATION_SLACK = 0.05
+
+
 def _calibrated(
     model: nn.Module,
     profile: Callable,
@@ -432,22 +442,39 @@ def _calibrated(
     bandwidth: float | None = None,
 ) -> dict:
     """Plan for a peak of ``budget``, run one step with the plan and measure what it held
-    (:func:`prime_ac.measure.measure_peak`); if that was over, plan once more for a budget
-    smaller by the excess. The plan records both peaks (``Plan.measured``)."""
+    (:func:`prime_ac.measure.measure_peak`), and correct the simulator once by its error
+    (measured less predicted): a plan measured over the budget is replaced by one planned for
+    the budget less the error; one measured under its prediction by more than
+    ``CALIBRATION_SLACK`` of the budget is replaced by one planned for the budget plus the
+    difference, if that one's measured peak stays within the budget. Each plan records what it
+    measured (``Plan.measured``, the first as ``tightened_from``); one that could not be brought
+    within the budget logs a warning."""
     plans = plan_peak(report, budget, seconds=seconds, bandwidth=bandwidth)
-    measured = _measure(model, profile, plans)
     peak = next(iter(plans.values())).peak if plans else None
     if peak is None:
         return plans
-    peak.measured = measured
-    if measured > budget:
-        tighter = plan_peak(
-            report, max(budget - (measured - budget), 0), seconds=seconds, bandwidth=bandwidth
+    peak.measured = _measure(model, profile, plans)
+    error = peak.measured - peak.simulation.peak
+    over = peak.measured > budget
+    if over and peak.fits or -error > CALIBRATION_SLACK * budget:
+        again = plan_peak(report, max(budget - error, 0), seconds=seconds, bandwidth=bandwidth)
+        second = next(iter(again.values())).peak
+        if second.decisions != peak.decisions:
+            second.measured = _measure(model, profile, again)
+            if over or second.measured <= budget:
+                second.budget, second.planned_for = budget, second.budget
+                second.tightened_from = peak
+                plans, peak = again, second
+    if peak.measured > budget:
+        logger.warning(
+            "prime_ac: budget=%s is not met: the plan %s holds %s at its peak (measured on the "
+            "profiled step; %s). Raise the budget, or shrink the step (fewer tokens per "
+            "micro-batch) or what the blocks must keep (mandatory operators).",
+            planner.format_bytes(budget),
+            "with the least memory the rules allow" if not peak.fits else "chosen",
+            planner.format_bytes(peak.measured),
+            "predicted " + planner.format_bytes(peak.simulation.peak),
         )
-        first = next(iter(tighter.values())).peak
-        first.measured = _measure(model, profile, tighter)
-        first.tightened_from = peak
-        return tighter
     return plans
 
 

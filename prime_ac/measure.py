@@ -327,7 +327,9 @@ def measure_step(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor])
 class PeakTracker(TorchDispatchMode):
     """A storage ledger: the bytes of the storages operators created that are alive, at every
     operator, and the most they reached (``peak``) less what ``host_bytes()`` says lives in
-    host copies (offloaded results on CPU, :class:`prime_ac.offload.Ledger`)."""
+    host copies (offloaded results on CPU, :class:`prime_ac.offload.Ledger`). An output in the
+    storage of one of its operator's inputs (a view, an in-place or ``out=`` write) created
+    nothing: a weight's transpose in every linear layer is not new memory."""
 
     def __init__(self, host_bytes: Callable[[], int] = lambda: 0) -> None:
         super().__init__()
@@ -337,10 +339,16 @@ class PeakTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        inputs = {
+            storage._cdata
+            for leaf in tree_leaves((args, kwargs))
+            if isinstance(leaf, torch.Tensor)
+            for storage in storages(leaf)
+        }
         for leaf in tree_leaves(out):
             for storage in storages(leaf) if isinstance(leaf, torch.Tensor) else ():
                 key = storage._cdata  # the StorageImpl's address (see _compat.storage_id)
-                if key in self._seen or storage.nbytes() == 0:
+                if key in self._seen or key in inputs or storage.nbytes() == 0:
                     continue
                 self._seen.add(key)
                 self.alive += storage.nbytes()
@@ -362,8 +370,13 @@ def measure_peak(
 
     On CUDA: ``torch.cuda.max_memory_allocated`` less what was allocated before the step. On
     CPU: :class:`PeakTracker`'s storage ledger (host copies of offloaded results excluded).
-    Gradients are left as the step made them.
+    A parameter without a gradient gets one of zeros first, so the weight gradients accumulate
+    into memory the model holds anyway and the peak is what the activations (and the gradients
+    flowing between them) add; the gradients are the step's, added to those zeros.
     """
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     if device.type == "cuda":
         torch.cuda.synchronize(device)

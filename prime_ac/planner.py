@@ -74,20 +74,26 @@ class Call:
 
 @dataclass(frozen=True)
 class BlockProfile:
-    """One checkpointed block: its calls in forward order and its input's bytes (always held)."""
+    """One checkpointed block: its calls in forward order, its input's bytes (always held) and,
+    where the profiled step measured it, ``saved_bytes``: what autograd saves for the block
+    without checkpointing, which its recompute rebuilds (the kept results handed back among it).
+    """
 
     name: str
     calls: tuple[Call, ...]
     input_bytes: int = 0
+    saved_bytes: int | None = None
 
     @property
     def forward_seconds(self) -> float:
         return sum(c.seconds for c in self.calls)
 
-    @property
-    def working_bytes(self) -> int:
-        """Bytes of all its results: what its backward holds once the recompute rebuilt them."""
-        return sum(c.bytes for c in self.calls if c.kind != "param")
+    def working_bytes(self, held: int = 0) -> int:
+        """What its backward holds once the recompute ran, ``held`` being the bytes of its kept
+        and offloaded results: what autograd saves for it, or all its results unmeasured."""
+        if self.saved_bytes is None:
+            return sum(c.bytes for c in self.calls if c.kind != "param")
+        return max(self.saved_bytes, held)
 
 
 @dataclass
@@ -123,7 +129,7 @@ def simulate(
     for them at the end of block ``i``), block ``i``'s kept and offloaded results so far, and
     call ``j``'s result. Backward of block ``i``: the inputs of blocks ``0..i``, what blocks
     before it keep, block ``i-1``'s offloaded results (prefetched during it) and all of block
-    ``i``'s results (the recompute's working set).
+    ``i``'s working set (:meth:`BlockProfile.working_bytes`).
 
     Copies run in order on one stream at ``bandwidth`` bytes/s; a block's outbound copies hide
     behind the next block's forward, its inbound copies behind the backward of the block after
@@ -152,7 +158,8 @@ def simulate(
         held_before += inputs[i] + kept[i]
     for i in reversed(range(n)):
         held_before -= inputs[i] + kept[i]
-        here = held_before + inputs[i] + blocks[i].working_bytes + (out[i - 1] if i else 0)
+        working = blocks[i].working_bytes(kept[i] + out[i])
+        here = held_before + inputs[i] + working + (out[i - 1] if i else 0)
         points.append((f"{blocks[i].name} backward", here))
     replay = sum(
         c.seconds
@@ -193,7 +200,10 @@ class Plan:
     simulation: Simulation
     fits: bool  # False: even the least memory the rules allow exceeds the budget
     measured: int | None = None  # the peak a step with this plan held (prime_ac.budget)
-    tightened_from: Plan | None = None  # the plan whose measured peak was over the budget
+    # calibration (prime_ac.budget): the first plan, whose measured peak was over the budget or
+    # well under its prediction, and the budget this one was then planned for instead
+    tightened_from: Plan | None = None
+    planned_for: int | None = None
 
     def chosen(self, block: str, decision: str) -> list[tuple[str, int]]:
         """``(op, index)`` of the calls of ``block`` with this decision."""
@@ -223,10 +233,16 @@ class Plan:
             f"copies {sim.exposed_copy_seconds * 1e3:.2f} ms"
             + ("" if self.fits else "; the budget cannot be met: this is the least memory")
         )
-        if self.tightened_from is not None:
+        first = self.tightened_from
+        if first is not None:
+            how = (
+                "over the budget"
+                if (first.measured or 0) > first.budget
+                else "under its prediction"
+            )
             rows.append(
-                f"first plan measured {format_bytes(self.tightened_from.measured or 0)}, over "
-                f"the budget: planned again for {format_bytes(self.budget)}"
+                f"first plan measured {format_bytes(first.measured or 0)} ({how}): planned again "
+                f"for {format_bytes(self.planned_for or self.budget)}"
             )
         if self.measured is not None:
             rows.append(f"measured peak {format_bytes(self.measured)}")
@@ -333,8 +349,9 @@ def agree(blocks: list[BlockProfile]) -> list[BlockProfile]:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return blocks
     flat = [c for b in blocks for c in b.calls]
+    saved = [-1.0 if b.saved_bytes is None else float(b.saved_bytes) for b in blocks]
     values = torch.tensor(
-        [float(c.bytes) for c in flat] + [c.seconds for c in flat], dtype=torch.float64
+        [float(c.bytes) for c in flat] + [c.seconds for c in flat] + saved, dtype=torch.float64
     )
     if dist.get_backend() == "nccl":
         values = values.cuda()
@@ -343,12 +360,15 @@ def agree(blocks: list[BlockProfile]) -> list[BlockProfile]:
     n = len(flat)
     it = iter(range(n))
     agreed = []
-    for b in blocks:
+    for i, b in enumerate(blocks):
         calls = []
         for c in b.calls:
             k = next(it)
             calls.append(Call(c.op, c.index, int(values[k]), values[n + k], c.kind))
-        agreed.append(BlockProfile(b.name, tuple(calls), b.input_bytes))
+        most = values[2 * n + i]  # -1 on every rank: measured on none
+        agreed.append(
+            BlockProfile(b.name, tuple(calls), b.input_bytes, None if most < 0 else int(most))
+        )
     return agreed
 
 

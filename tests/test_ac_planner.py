@@ -31,7 +31,10 @@ def random_blocks(rng: random.Random, blocks: int, calls: int) -> list[BlockProf
             kind = rng.choice(KINDS)
             size = 0 if kind == "view" else rng.randrange(1, 64) * 2**20
             items.append(Call(f"op{j}", j, size, rng.uniform(1e-5, 5e-3), kind))
-        out.append(BlockProfile(f"layers.{b}", tuple(items), rng.randrange(1, 8) * 2**20))
+        # half the blocks with autograd's saved bytes measured (the recompute's working set)
+        results = sum(c.bytes for c in items)
+        saved = int(results * rng.uniform(0.3, 1.0)) if rng.random() < 0.5 else None
+        out.append(BlockProfile(f"layers.{b}", tuple(items), rng.randrange(1, 8) * 2**20, saved))
     return out
 
 
@@ -51,6 +54,17 @@ def test_simulator_counts_kept_results_until_their_backward():
     assert points["b backward"] == 10 + 100 + 10 + 100
     assert points["a backward"] == 10 + 100
     assert sim.replay_seconds == 1.0 and sim.host_bytes == 0
+
+
+def test_measured_saved_bytes_are_the_recompute_working_set():
+    """A block whose saved bytes were measured holds those in its backward (autograd saves
+    fewer than all results), or its kept and offloaded results where they are more."""
+    calls = (Call("aten::mm", 0, 100, 1.0), Call("aten::gelu", 0, 100, 1.0))
+    measured, unmeasured = BlockProfile("a", calls, 10, 120), BlockProfile("a", calls, 10)
+    for decisions, working in (([REPLAY, REPLAY], 120), ([KEEP, OFFLOAD], 200)):
+        assert measured.working_bytes(sum(100 for d in decisions if d != REPLAY)) == working
+        assert simulate([measured], [decisions]).points[-1] == ("a backward", 10 + working)
+        assert simulate([unmeasured], [decisions]).points[-1] == ("a backward", 210)
 
 
 def test_offloaded_results_leave_the_device_after_the_next_block():
@@ -181,9 +195,12 @@ def test_agree_without_distributed_is_identity():
 
 
 def _agree_body(rank, world_size):
-    blocks = [BlockProfile("a", (Call("aten::mm", 0, 100 * (rank + 1), 0.1 * (rank + 1)),))]
+    mm = Call("aten::mm", 0, 100 * (rank + 1), 0.1 * (rank + 1))
+    blocks = [BlockProfile("a", (mm,), 0, 60 * (rank + 1)), BlockProfile("b", (mm,))]
     agreed = agree(blocks)
     assert agreed[0].calls[0].bytes == 200 and agreed[0].calls[0].seconds == pytest.approx(0.2)
+    assert agreed[0].saved_bytes == 120 and agreed[1].saved_bytes is None
+    agreed = agreed[:1]
     p = plan(agreed, 250)
     assert p.decisions == [[KEEP]]
 
