@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import prime_ops
 from prime_ops.attn import flash, varlen_attention
 from prime_ops.attn.args import VarlenArgs
-from prime_ops.attn.varlen import BACKENDS
+from prime_ops.attn.varlen import BACKENDS, OPS
 
 INF = float("inf")
 
@@ -335,6 +335,23 @@ def test_fa4_softcap_refused_in_the_sm100_head_dim_256_backward(monkeypatch):
     flash.fa4_softcap(256, 256, None, 5.0)
     monkeypatch.setenv("FLASH_ATTENTION_HD256_GENERIC_BWD", "1")  # FA4's general kernel
     flash.fa4_softcap(256, 256, 100, 5.0)
+
+
+def test_fa4_softcap_backward_refused_while_tracing(monkeypatch):
+    """The fake of FA4's backward refuses what its kernel would: a trace fails, not step 1."""
+    monkeypatch.delenv("FLASH_ATTENTION_HD256_GENERIC_BWD", raising=False)
+    monkeypatch.setenv("FLASH_ATTENTION_ARCH", "sm_100")
+    forward, backward = OPS["fa4"]
+    with FakeTensorMode():
+        q = torch.empty(8, 2, 256, dtype=torch.bfloat16, device="cuda")
+        cu = torch.empty(3, dtype=torch.int32, device="cuda")
+        rest = (cu, cu, 8, 8, True, None, None, 0.0625, 5.0)
+        out, lse = forward(q, q, q, *rest)  # the forward takes softcap
+        with pytest.raises(ValueError, match=r"'fa4' .* SM100 backward .* softcap=5.0"):
+            backward(out, q, q, q, out, lse, *rest)
+        monkeypatch.setenv("FLASH_ATTENTION_HD256_GENERIC_BWD", "1")
+        dq, _, _ = backward(out, q, q, q, out, lse, *rest)
+        assert dq.shape == q.shape
 
 
 def test_fa4_head_dims_refused_on_fake_cuda_for_the_device_arch(monkeypatch):

@@ -12,8 +12,8 @@ translates the conventions that differ between them:
 - lse layout: all three return ``[H, total_q]`` fp32 for varlen inputs, as the contract does.
 - head dims: each library's own limits (and FA3's architectures) are mirrored by
   ``fa*_head_dims`` below, so a call the kernel would refuse fails before launch (also while
-  tracing), naming the backend and the rule; ``fa4_softcap`` adds FA4's one softcap limit, in
-  the backward adapter, before FA4 is called.
+  tracing), naming the backend and the rule; ``fa4_softcap`` adds FA4's one softcap limit of
+  the backward, checked with them.
 
 Libraries are imported on the first call through :func:`prime_ops.backends.import_backend`.
 """
@@ -171,8 +171,8 @@ def fa4_head_dims(head_dim: int, head_dim_v: int, arch: int | None, backward: bo
 def fa4_softcap(head_dim: int, head_dim_v: int, arch: int | None, softcap: float) -> None:
     """FA4's backward (``flash_attn/cute/interface.py``, ``_flash_attn_bwd``) runs head dims
     (256, 256) on SM100/SM110 in a dedicated kernel and asserts ``softcap == 0.0`` for it, unless
-    ``FLASH_ATTENTION_HD256_GENERIC_BWD=1`` picks its general kernel, which takes softcap. Called
-    by the backward adapter: the checks in the fake see head dims only."""
+    ``FLASH_ATTENTION_HD256_GENERIC_BWD=1`` picks its general kernel, which takes softcap. Checked
+    with the head dims in the backward's kernel and fake (so also while tracing)."""
     if (
         softcap > 0.0
         and arch is not None
@@ -343,7 +343,6 @@ def fa4_forward(q: Tensor, k: Tensor, v: Tensor, a: VarlenArgs) -> tuple[Tensor,
 def fa4_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, a: VarlenArgs
 ) -> tuple[Tensor, Tensor, Tensor]:
-    fa4_softcap(q.shape[-1], v.shape[-1], cuda_arch(q.device), a.softcap)
     grads = _fa4()._flash_attn_bwd(
         q,
         k,

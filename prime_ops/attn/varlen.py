@@ -322,7 +322,10 @@ def check_arguments(
             raise ValueError(
                 f"lse must have shape {(q.shape[1], q.shape[0])}; got {tuple(lse.shape)}"
             )
-    backend.limits(q.shape[2], v.shape[2], flash.cuda_arch(q.device), grads is not None)
+    arch = flash.cuda_arch(q.device)
+    backend.limits(q.shape[2], v.shape[2], arch, grads is not None)
+    if grads is not None and backend.name == "fa4":  # FA4's one limit that is not a head dim
+        flash.fa4_softcap(q.shape[2], v.shape[2], arch, a.softcap)
 
 
 def _empty_outputs(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:

@@ -145,7 +145,7 @@ FA4_REFUSED = {
     "hdim264_sm90": AttnCase((64,), h=2, hkv=2, d=264, dv=264, arches=("sm_90",), backward=False),
     "hdim136_sm100": AttnCase((64,), h=2, hkv=2, d=136, dv=136, arches=("sm_100",), backward=False),
     # FA4's dedicated (256, 256) SM100 backward asserts softcap == 0 (prime_ops refuses it in
-    # its kernel; FLASH_ATTENTION_HD256_GENERIC_BWD=1 takes it, test_fa4_compile.py)
+    # its fake and kernel; FLASH_ATTENTION_HD256_GENERIC_BWD=1 takes it, test_fa4_compile.py)
     "hdim256_softcap_bwd_sm100": AttnCase(
         (64,), h=2, hkv=2, d=256, dv=256, softcap=5.0, arches=("sm_100",)
     ),

@@ -66,16 +66,15 @@ def test_prime_ops_call_compiles_in_fa4(fa4, arch, name, record_property):
 @pytest.mark.parametrize(("arch", "name"), REFUSED)
 def test_calls_fa4_refuses_never_reach_a_launch(fa4, arch, name):
     """FA4 itself refuses these; prime_ops refuses first, naming the backend, the arch and the
-    rule: the head dims in its fake (so also while tracing), the SM100 head-dim-256 backward with
-    softcap in its kernel, before FA4's call (the fake's checks see head dims only)."""
+    rule, in its fake (so also while tracing) and its kernel alike: the head dims, and the SM100
+    head-dim-256 backward with softcap."""
     case = cases.FA4_REFUSED[name]
     row = fa4.row(arch, case=name)
     assert row["fa4"].startswith("AssertionError: ")
     refusal = row["prime_ops"]
     if case.softcap:
         assert "softcap" in row["fa4"]
-        assert refusal == ""
-        refusal = row["prime_ops_kernel"]
+        assert row["prime_ops_kernel"] == refusal  # the fake and the kernel check alike
         assert "softcap=5.0" in refusal and "FLASH_ATTENTION_HD256_GENERIC_BWD=1" in refusal
     assert refusal.startswith("ValueError: backend 'fa4' cannot run head dims")
     assert f"SM{arch.removeprefix('sm_')}" in refusal
