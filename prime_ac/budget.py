@@ -479,7 +479,8 @@ def _calibrated(
 
 
 def _measure(model: nn.Module, profile: Callable, plans: dict[str, BlockPlan]) -> int:
-    """The peak of one step of ``model`` with ``plans`` applied, the model left as it was."""
+    """The peak of one step of ``model`` with ``plans`` applied (the most over the ranks), the
+    model left as it was."""
     states = {}
     for name, p in plans.items():
         block = model.get_submodule(name)
@@ -493,7 +494,8 @@ def _measure(model: nn.Module, profile: Callable, plans: dict[str, BlockPlan]) -
         host = (lambda: offloader.ledger.host) if offloader is not None else (lambda: 0)
         measured = measure_peak(model, profile, host)
         model.zero_grad(set_to_none=True)
-        return measured
+        most = planner.most_over_ranks([float(measured)])  # every rank calibrates alike
+        return measured if most is None else int(most[0])
     finally:
         for name, state in states.items():
             wrap_block(model.get_submodule(name), state)

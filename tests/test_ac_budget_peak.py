@@ -211,3 +211,27 @@ def test_audit_command_takes_a_peak_budget(capsys):
     assert main(["audit", "--targets", "auto", "--budget", "6MiB"]) == 0
     out = capsys.readouterr().out
     assert "peak activation memory: budget 6.000 MiB, predicted" in out and "measured" in out
+
+
+def _ranks_calibrate_alike(rank, world_size):
+    from test_ac_offload_plans import DIM, Model, _step
+
+    torch.manual_seed(0)
+    model = Model(blocks=4)
+    x = torch.randn(4 + 2 * rank, 16, DIM)  # rank 1's step holds more
+    prime_ac.checkpoint_blocks(
+        model, mode="selective", targets="auto", budget="90KiB", profile=lambda m: _step(m, x)
+    )
+    peak = model.layers[0]._prime_ac.plan.peak
+    mine = [peak.measured, peak.planned_for or 0, *(d for row in peak.decisions for d in row)]
+    everyone = [None] * world_size
+    torch.distributed.all_gather_object(everyone, mine)
+    assert everyone[0] == everyone[1], everyone
+
+
+def test_ranks_agree_on_the_calibrated_plan():
+    """Each rank measures its own step; the plan's calibration uses the most over the ranks, so
+    every rank ends with the same plan."""
+    from dist_utils import run_distributed
+
+    run_distributed(_ranks_calibrate_alike, 2)

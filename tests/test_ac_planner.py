@@ -196,10 +196,11 @@ def test_agree_without_distributed_is_identity():
 
 def _agree_body(rank, world_size):
     mm = Call("aten::mm", 0, 100 * (rank + 1), 0.1 * (rank + 1))
-    blocks = [BlockProfile("a", (mm,), 0, 60 * (rank + 1)), BlockProfile("b", (mm,))]
+    blocks = [BlockProfile("a", (mm,), 5 * (rank + 1), 60 * (rank + 1)), BlockProfile("b", (mm,))]
     agreed = agree(blocks)
     assert agreed[0].calls[0].bytes == 200 and agreed[0].calls[0].seconds == pytest.approx(0.2)
     assert agreed[0].saved_bytes == 120 and agreed[1].saved_bytes is None
+    assert agreed[0].input_bytes == 10 and agreed[1].input_bytes == 0
     agreed = agreed[:1]
     p = plan(agreed, 250)
     assert p.decisions == [[KEEP]]
