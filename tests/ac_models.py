@@ -63,3 +63,17 @@ def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), f"{name} differs: {(a[name] - b[name]).abs().max()}"
+
+
+class BlockStack(nn.Module):
+    """``blocks`` instances of ``block`` in ``layers`` (where checkpoint_blocks finds them), and a
+    loss: the mean square of the last output."""
+
+    def __init__(self, block: type[nn.Module], blocks: int = 3):
+        super().__init__()
+        self.layers = nn.ModuleList(block() for _ in range(blocks))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()

@@ -10,7 +10,7 @@ import logging
 
 import pytest
 import torch
-from ac_models import assert_bitwise_equal, grads
+from ac_models import BlockStack, assert_bitwise_equal, grads
 from torch import nn
 from torch.utils.checkpoint import CheckpointError, checkpoint
 
@@ -30,17 +30,6 @@ class Block(nn.Module):
         return x + self.down(torch.tanh(self.up(x)))
 
 
-class Model(nn.Module):
-    def __init__(self, blocks: int = 3):
-        super().__init__()
-        self.layers = nn.ModuleList(Block() for _ in range(blocks))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x.square().mean()
-
-
 def _batch(seed: int, tokens: int = 16) -> torch.Tensor:
     # 4 x 16 x 16 fp32: 4 KiB, above the 1 KiB below which nothing moves
     return torch.randn(4, tokens, DIM, generator=torch.Generator().manual_seed(seed))
@@ -49,7 +38,7 @@ def _batch(seed: int, tokens: int = 16) -> torch.Tensor:
 @pytest.fixture
 def base():
     torch.manual_seed(0)
-    return Model()
+    return BlockStack(Block)
 
 
 def _checkpointed(model: nn.Module, mode: str) -> nn.Module:
@@ -302,7 +291,7 @@ def test_double_backward_bitwise():
     """create_graph=True: what the first backward brings back becomes part of the second
     graph, a tensor of its own (not the pooled buffer)."""
     torch.manual_seed(0)
-    model = Model()
+    model = BlockStack(Block)
     x = _batch(0)
 
     def run(offload):

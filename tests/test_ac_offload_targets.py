@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from ac_models import assert_bitwise_equal, grads
+from ac_models import BlockStack, assert_bitwise_equal, grads
 from torch import nn
 
 import prime_ac
@@ -44,17 +44,6 @@ class Block(nn.Module):
         return h + g[..., :DIM] * top
 
 
-class Model(nn.Module):
-    def __init__(self, blocks: int = 3):
-        super().__init__()
-        self.layers = nn.ModuleList(Block() for _ in range(blocks))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x.square().mean()
-
-
 def _step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     torch.manual_seed(3)  # the same dropout masks in every run
     return model(x)
@@ -63,7 +52,7 @@ def _step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def base():
     torch.manual_seed(0)
-    model, x = Model(), torch.randn(2, 12, DIM)
+    model, x = BlockStack(Block), torch.randn(2, 12, DIM)
     reference = copy.deepcopy(model)
     _step(reference, x).backward()
     return model, x, grads(reference)
