@@ -152,3 +152,41 @@ def test_full_ac_adds_no_fsdp2_all_gathers():
     # too, being told so), each gathers once more in the backward
     assert table[("none", True)] == (3, 3)
     assert table[("none", False)] == (3, 0)
+
+
+def _input_offload_body(rank: int, world_size: int) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    from prime_ac.models import build_model
+
+    tokens = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(rank))
+    torch.manual_seed(0)
+    base = build_model("dense", n_layers=2)
+    local = {}
+    for offloaded in (False, True):
+        model = copy.deepcopy(base)
+        config = prime_ac.ACConfig.from_dict({"freq": 1, "ac_offloading": {}})
+        prime_ac.checkpoint_blocks(model, config=config)
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        offload = config.input_offload() if offloaded else None
+        for _ in range(2):  # micro-batches: the second step draws its host buffers from the pool
+            with offload if offload is not None else torch.enable_grad():
+                loss = model.loss(tokens)
+            loss.backward()
+            del loss
+        local[offloaded] = {n: p.grad.to_local() for n, p in model.named_parameters()}
+        if offload is not None:
+            # the blocks' inputs moved, not FSDP's parameters or their unsharded copies
+            assert offload.ledger.offloaded >= 2 * 2 and offload.ledger.host == 0
+            assert offload.buffer_allocations == offload.ledger.offloaded // 2
+    assert_bitwise_equal(local[True], local[False])
+
+
+def test_prime_rls_offloading_under_fsdp2():
+    """prime-rl's [trainer.model.ac_offloading] with full AC on FSDP2 (2 gloo ranks,
+    reshard_after_forward): the sharded gradients equal those without offload bitwise."""
+    from tests.dist_utils import run_distributed
+
+    run_distributed(_input_offload_body, 2, timeout=120)
