@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import random
+from pathlib import Path
 
 import pytest
 
@@ -210,3 +212,24 @@ def test_ranks_agree_on_one_profile():
     from tests.dist_utils import run_distributed
 
     run_distributed(_agree_body, 2)
+
+
+def test_the_docs_table_is_the_qwen3_8b_benchmarks_output(capsys):
+    """docs/checkpointing.md's simulated Qwen3-8B table is what benchmarks/plan_qwen3_8b.py
+    prints now, cell for cell (a change to the planner shows up in the docs or fails here)."""
+    root = Path(__file__).parents[1]
+    spec = importlib.util.spec_from_file_location(
+        "plan_qwen3_8b", root / "benchmarks" / "plan_qwen3_8b.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main()
+
+    def rows(text: str) -> list[list[str]]:
+        cells = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()]
+        return [r for r in cells if len(r) == 7 and r[0] and not r[0].startswith("-")]
+
+    printed = rows(capsys.readouterr().out)
+    docs = (root / "docs" / "checkpointing.md").read_text()
+    table = docs[docs.index("**Simulated: Qwen3-8B") :].split("\n\n")[1]
+    assert len(printed) == 8 and rows(table) == printed
