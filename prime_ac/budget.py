@@ -456,7 +456,7 @@ def _calibrated(
     peak.measured = _measure(model, profile, plans)
     error = peak.measured - peak.simulation.peak
     over = peak.measured > budget
-    if over and peak.fits or -error > CALIBRATION_SLACK * budget:
+    if (over and peak.fits) or -error > CALIBRATION_SLACK * budget:
         again = plan_peak(report, max(budget - error, 0), seconds=seconds, bandwidth=bandwidth)
         second = next(iter(again.values())).peak
         if second.decisions != peak.decisions:
