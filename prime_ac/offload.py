@@ -461,6 +461,7 @@ class SavedInputOffload:
         self._entry: list[weakref.ref] = []  # the latest entry's records, in save order
         self._hooks: Any = None
         self._warned = False
+        self._unmoved: set[str] = set()  # device types whose saved tensors cannot move (logged)
 
     def __enter__(self) -> SavedInputOffload:
         if self._hooks is not None:
@@ -494,6 +495,14 @@ class SavedInputOffload:
 
     def _pack(self, t: torch.Tensor) -> Any:
         if not self._moves(t):
+            if t.device.type not in ("cpu", "cuda", "meta") and t.device.type not in self._unmoved:
+                self._unmoved.add(t.device.type)
+                logger.warning(
+                    "prime_ac: SavedInputOffload moves CUDA tensors only; what autograd saves "
+                    "on %s stays there (prime-rl's [trainer.model.ac_offloading] offloads "
+                    "nothing on this device). Logged once per device type.",
+                    t.device.type,
+                )
             return _Kept(t.detach(), t._version)
         last = self._entry[-1]() if self._entry else None
         if (  # the same tensor saved again at once (x * x): one host copy serves both

@@ -492,3 +492,22 @@ def test_the_stream_path_waits_bounds_and_prefetches(base, stand_in_streams, max
     assert inbound and len(inbound) <= len(events)
     assert all(e.query() for e in events)
     assert len(waited) >= len(inbound) - 2  # all but what no backward read (prefetched last)
+
+
+def test_tensors_on_other_accelerators_stay_and_say_so(caplog):
+    """Only CUDA tensors move (the host side is pinned CPU memory): a saved tensor on another
+    device type stays there, logged once per device type, not skipped in silence."""
+    caplog.set_level(logging.WARNING, logger="prime_ac")
+    offload = SavedInputOffload(pin_memory=False)
+    offload._pack(torch.empty(1024, device="meta"))  # tracing: stays, says nothing
+    assert "moves CUDA tensors only" not in caplog.text
+
+    class Elsewhere(torch.Tensor):  # a stand-in for an xpu / mps / hpu tensor
+        @property
+        def device(self):
+            return torch.device("xpu")
+
+    x = torch.empty(1024).as_subclass(Elsewhere)
+    for _ in range(2):
+        assert isinstance(offload._pack(x), offload_module._Kept)
+    assert caplog.text.count("moves CUDA tensors only; what autograd saves on xpu") == 1
