@@ -207,15 +207,12 @@ def _fa2_max_seqlen_q(max_seqlen_q: int, q: Tensor, cu_seqlens_q: Tensor) -> int
     return max_seqlen_q
 
 
-def fa2_forward(q: Tensor, k: Tensor, v: Tensor, a: VarlenArgs) -> tuple[Tensor, Tensor]:
-    head_dim_v = v.shape[-1]
-    out, lse, _, _ = _fa2()._flash_attn_varlen_forward(
-        q=_pad8(q),
-        k=_pad8(k),
-        v=_pad8(v),
+def _fa2_options(a: VarlenArgs, max_seqlen_q: int) -> dict:
+    """``a`` under the keyword names FA2's varlen forward and backward share."""
+    return dict(
         cu_seqlens_q=a.cu_seqlens_q,
         cu_seqlens_k=a.cu_seqlens_k,
-        max_seqlen_q=_fa2_max_seqlen_q(a.max_seqlen_q, q, a.cu_seqlens_q),
+        max_seqlen_q=max_seqlen_q,
         max_seqlen_k=a.max_seqlen_k,
         dropout_p=0.0,
         softmax_scale=a.softmax_scale,
@@ -224,6 +221,16 @@ def fa2_forward(q: Tensor, k: Tensor, v: Tensor, a: VarlenArgs) -> tuple[Tensor,
         window_size_right=a.window_size_right,
         softcap=a.softcap,
         alibi_slopes=None,
+    )
+
+
+def fa2_forward(q: Tensor, k: Tensor, v: Tensor, a: VarlenArgs) -> tuple[Tensor, Tensor]:
+    head_dim_v = v.shape[-1]
+    out, lse, _, _ = _fa2()._flash_attn_varlen_forward(
+        q=_pad8(q),
+        k=_pad8(k),
+        v=_pad8(v),
+        **_fa2_options(a, _fa2_max_seqlen_q(a.max_seqlen_q, q, a.cu_seqlens_q)),
         return_softmax=False,
     )
     if out.shape[-1] != head_dim_v:
@@ -246,17 +253,7 @@ def fa2_backward(
         dq=dq,
         dk=dk,
         dv=dv,
-        cu_seqlens_q=a.cu_seqlens_q,
-        cu_seqlens_k=a.cu_seqlens_k,
-        max_seqlen_q=a.max_seqlen_q,
-        max_seqlen_k=a.max_seqlen_k,
-        dropout_p=0.0,
-        softmax_scale=a.softmax_scale,
-        causal=a.causal,
-        window_size_left=a.window_size_left,
-        window_size_right=a.window_size_right,
-        softcap=a.softcap,
-        alibi_slopes=None,
+        **_fa2_options(a, a.max_seqlen_q),
         deterministic=False,
     )
     if dq.shape[-1] != q.shape[-1]:
