@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 
@@ -36,6 +37,20 @@ def _budget(text: str) -> float | str:
         f"{text!r} is neither a fraction in [0, 1] of the whole model's no-AC activation memory "
         "(e.g. 0.3) nor a peak with a unit (e.g. 6MiB; units B, KB, MB, GB, KiB, MiB, GiB)"
     )
+
+
+def _bandwidth(text: str) -> float:
+    """A finite rate > 0: a copy time divided by 0, nan or inf plans nothing sensible."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a copy bandwidth: give bytes per second as a finite number > 0, "
+            "e.g. 12e9"
+        )
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -112,12 +127,15 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         "predicted exposed copy time and the predicted peak.",
     )
     plan.add_argument(
-        "--budget", required=True, help="peak activation memory, e.g. 24GiB (required: no default)"
+        "--budget",
+        required=True,
+        help="peak activation memory with a unit, e.g. 24GiB (required: no default; a bare "
+        "number is refused: the fraction audit --targets auto takes is not a peak)",
     )
     plan.add_argument("--model", choices=["dense", "moe"], default="dense", help="built-in model")
     plan.add_argument(
         "--bandwidth",
-        type=float,
+        type=_bandwidth,
         default=None,
         help="host-device copy bandwidth in bytes/s (default: prime_ac.planner.DEFAULT_BANDWIDTH)",
     )
@@ -144,7 +162,10 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             None if args.host_cap is None else planner.parse_bytes(args.host_cap, "--host-cap")
         )
     except ValueError as exc:
-        parser.error(str(exc))
+        bare = str(exc).startswith("--budget=") and "no unit" in str(exc)
+        parser.error(
+            f"{exc}" + ("; plan takes a peak, a fraction applies to audit --targets auto" * bare)
+        )
     model = build_model(args.model)
     tokens = torch.randint(
         0, model.cfg.vocab_size, (4, 129), generator=torch.Generator().manual_seed(0)
@@ -154,7 +175,7 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     chosen = planner.plan(
         profiles(report),
         budget,
-        bandwidth=args.bandwidth or planner.DEFAULT_BANDWIDTH,
+        bandwidth=planner.DEFAULT_BANDWIDTH if args.bandwidth is None else args.bandwidth,
         host_cap=host_cap,
     )
     print(chosen.table())

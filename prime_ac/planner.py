@@ -27,6 +27,7 @@ never offloaded.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -382,7 +383,6 @@ def most_over_ranks(values: list[float]) -> list[float] | None:
 
 
 _UNITS = {
-    "": 1,
     "B": 1,
     "KB": 10**3,
     "MB": 10**6,
@@ -393,28 +393,43 @@ _UNITS = {
     "GIB": 2**30,
     "TIB": 2**40,
 }
+_AMOUNT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
 def parse_bytes(value: object, argument: str = "budget") -> int:
-    """Bytes from an int or a string such as ``"24GiB"``, ``"512MiB"``, ``"1.5GB"``, ``"4096"``.
+    """Bytes from an int or a string with a unit such as ``"24GiB"``, ``"512MiB"``, ``"1.5GB"``,
+    ``"4096B"`` (unit names in any case: ``"64kib"`` is ``"64KiB"``).
 
-    Raises ValueError naming ``argument`` and the accepted forms.
+    A string without a unit (``"0.3"``, ``"4096"``) is refused: a budget's number alone reads
+    as a fraction to some and as bytes to others. Raises ValueError naming ``argument`` and the
+    accepted forms.
     """
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
-    if isinstance(value, str):
-        text = value.strip().replace(" ", "")
-        number = text.rstrip("KMGTiBkmgtb")
-        unit = text[len(number) :].upper()
-        try:
-            amount = float(number)
-        except ValueError:
-            amount = -1.0
-        if unit in _UNITS and math.isfinite(amount) and amount >= 0:
-            return int(amount * _UNITS[unit])
+    match = _AMOUNT.match(value) if isinstance(value, str) else None
+    if match is not None and not match.group(2):
+        number = match.group(1)
+        if argument != "budget":
+            forms = f"bytes with a unit ('{number}B', '24GiB')"
+        elif float(number) <= 1:
+            forms = (
+                f"a float fraction of the no-AC activation memory ({argument}={float(number)!r}) "
+                "or bytes with a unit ('24GiB', '512MiB')"
+            )
+        else:
+            forms = (
+                f"bytes with a unit ('{number}B', '24GiB') or a float fraction in [0, 1] of the "
+                "no-AC activation memory"
+            )
+        raise ValueError(f"{argument}={value!r} is a number with no unit: write {forms}")
+    if match is not None and match.group(2).upper() in _UNITS:
+        amount = float(match.group(1)) * _UNITS[match.group(2).upper()]
+        if math.isfinite(amount):
+            return int(amount)
     raise ValueError(
         f"{argument}={value!r}: bytes are an int >= 0 or a string with a unit, such as "
-        "'24GiB', '512MiB', '1.5GB' or '4096B' (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+        "'24GiB', '512MiB', '1.5GB' or '4096B' (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB, "
+        "in any case)"
     )
 
 

@@ -185,7 +185,7 @@ def test_parse_bytes_forms_and_errors():
     assert parse_bytes("24GiB") == 24 * 2**30
     assert parse_bytes("512MiB") == 512 * 2**20
     assert parse_bytes("1.5GB") == 1_500_000_000
-    assert parse_bytes("4096") == 4096 and parse_bytes(7) == 7
+    assert parse_bytes("4096B") == 4096 and parse_bytes(7) == 7  # "4096": no unit, refused
     for bad in ("24 parsecs", "GiB", "-1GiB", "nanGB", 1.5, True, -3):
         with pytest.raises(ValueError, match=r"budget=.*'24GiB'"):
             parse_bytes(bad)
