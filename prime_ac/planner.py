@@ -48,6 +48,23 @@ __all__ = [
 DEFAULT_BANDWIDTH = 12e9
 
 KEEP, OFFLOAD, REPLAY = "keep", "offload", "replay"
+_KINDS = ("plain", "mandatory", "view", "param")
+
+
+def _check_count(argument: str, value: object, what: str = "bytes") -> None:
+    """Raise unless ``value`` is an int >= 0, naming ``argument``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        error = TypeError if not isinstance(value, (int, float)) else ValueError
+        raise error(f"{argument}={value!r} must be an int >= 0 ({what})")
+
+
+def _check_amount(argument: str, value: object, what: str = "seconds", positive: bool = False):
+    """Raise unless ``value`` is a finite real number >= 0 (> 0 with ``positive``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{argument}={value!r} must be a number ({what})")
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        bound = "> 0" if positive else ">= 0"
+        raise ValueError(f"{argument}={value!r} must be a finite number {bound} ({what})")
 
 
 @dataclass(frozen=True)
@@ -64,6 +81,15 @@ class Call:
     bytes: int
     seconds: float
     kind: str = "plain"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.op, str):
+            raise TypeError(f"Call op={self.op!r} must be the operator's name, e.g. 'aten::mm'")
+        _check_count("Call index", self.index)
+        _check_count("Call bytes", self.bytes)
+        _check_amount("Call seconds", self.seconds)
+        if self.kind not in _KINDS:
+            raise ValueError(f"Call kind={self.kind!r} must be one of {list(_KINDS)}")
 
     def choices(self) -> tuple[str, ...]:
         if self.kind == "mandatory":
@@ -84,6 +110,21 @@ class BlockProfile:
     calls: tuple[Call, ...]
     input_bytes: int = 0
     saved_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise TypeError(f"BlockProfile name={self.name!r} must be the block's name (a str)")
+        if isinstance(self.calls, (str, bytes)) or not all(
+            isinstance(c, Call) for c in self.calls
+        ):
+            raise TypeError(
+                f"BlockProfile calls={self.calls!r:.120} must be prime_ac.planner.Call records "
+                "in forward order"
+            )
+        object.__setattr__(self, "calls", tuple(self.calls))
+        _check_count("BlockProfile input_bytes", self.input_bytes)
+        if self.saved_bytes is not None:
+            _check_count("BlockProfile saved_bytes", self.saved_bytes)
 
     @property
     def forward_seconds(self) -> float:
@@ -287,6 +328,16 @@ def plan(
         p = plan([BlockProfile("layers.0", (Call("aten::mm", 0, 2**20, 1e-4),))], 2**21)
         p.decisions  # [['keep']]
     """
+    if isinstance(blocks, (str, bytes)) or not all(isinstance(b, BlockProfile) for b in blocks):
+        raise TypeError(
+            f"blocks={blocks!r:.120} must be prime_ac.planner.BlockProfile records, one per block "
+            "in forward order (prime_ac.budget.profiles makes them from an audit)"
+        )
+    _check_count("budget", budget, "bytes (prime_ac.planner.parse_bytes reads '24GiB')")
+    _check_amount("bandwidth", bandwidth, "bytes per second", positive=True)
+    if host_cap is not None:
+        _check_count("host_cap", host_cap, "bytes, or None for no cap")
+    _check_amount("bandwidth_error", bandwidth_error, "a share")
     if not 0 <= bandwidth_error < 1:
         raise ValueError(f"bandwidth_error={bandwidth_error!r} must lie in [0, 1)")
     blocks = list(blocks)
