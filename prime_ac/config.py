@@ -71,7 +71,9 @@ class ACConfig:
     def __post_init__(self) -> None:
         check_checkpoint_options(self.early_stop, self.determinism_check)
         if self.ac_offloading is not None:
-            _check_offloading(dict(self.ac_offloading))
+            table = _offloading_table(self.ac_offloading)
+            _check_offloading(table)
+            object.__setattr__(self, "ac_offloading", tuple(sorted(table.items())))
         if self.mode not in MODES:
             raise ValueError(
                 f"mode={self.mode!r} is not a checkpoint mode: use one of {list(MODES)}"
@@ -249,6 +251,22 @@ class ACConfig:
 
 # prime-rl's [trainer.model.ac_offloading] keys and defaults (prime_rl/trainer/config.py)
 _OFFLOADING_KEYS = {"pin_memory": True, "max_inflight_activations": 5}
+
+
+def _offloading_table(value: Any) -> dict[str, Any]:
+    """``ac_offloading`` (a mapping, or its sorted ``(key, value)`` pairs) as a dict; anything
+    else raises, naming what the table holds."""
+    if not isinstance(value, Mapping):
+        pairs = isinstance(value, (list, tuple)) and all(
+            isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], str) for p in value
+        )
+        if not pairs:
+            raise ValueError(
+                f"ac_offloading={value!r:.80} must be a table (TOML [trainer.model.ac_offloading]) "
+                "such as {'pin_memory': True, 'max_inflight_activations': 5}; leave it out for no "
+                "offloading"
+            )
+    return dict(value)
 
 
 def _check_offloading(table: Mapping[str, Any]) -> None:

@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from prime_ac import diagnostics
+
 __all__ = ["Ledger", "Offloader", "SavedInputOffload"]
 
 logger = logging.getLogger("prime_ac")
@@ -268,7 +270,7 @@ class Offloader:
                 self._inflight.remove((store, entry))
                 self._finish(store, entry, wait=True)
         for entry in entries:
-            self._copy_in(entry)
+            self._copy_in(entry, store.name)
             if entry.back is not None:
                 torch.cuda.current_stream(entry.back[0].device).wait_event(entry.back[1])
                 self._swap_back(entry, entry.back[0])
@@ -284,11 +286,12 @@ class Offloader:
         for entry in self._entries.get(store, []) if store is not None else []:
             if budget is not None and entry.nbytes > budget:
                 break
-            if self._copy_in(entry) and budget is not None:
+            if self._copy_in(entry, store.name) and budget is not None:
                 budget -= entry.nbytes
 
-    def _copy_in(self, entry: _Entry) -> bool:
-        """Start the inbound copy (CUDA); on CPU bring the copy back now. True if it started."""
+    def _copy_in(self, entry: _Entry, name: str) -> bool:
+        """Start the inbound copy (CUDA); on CPU bring the copy back now. True if it started.
+        ``name`` (the store's) labels the device buffers (prime_ac.labelled_allocations)."""
         if entry.back is not None or not entry.host:
             return False
         if entry.out_event is None:  # CPU
@@ -296,7 +299,8 @@ class Offloader:
             return False
         device = torch.device("cuda", torch.cuda.current_device())
         compute = torch.cuda.current_stream(device)
-        dev = [torch.empty_like(h, device=device) for h in entry.host]  # on the compute stream
+        with diagnostics.label(f"prime_ac offloaded {name}"):  # on the compute stream
+            dev = [torch.empty_like(h, device=device) for h in entry.host]
         stream = self._side_stream(device)
         stream.wait_stream(compute)
         with torch.cuda.stream(stream):
@@ -450,6 +454,15 @@ class SavedInputOffload:
             raise ValueError(
                 f"max_inflight={max_inflight!r} must be an int >= 1 (or None: no bound)"
             )
+        if not isinstance(pin_memory, bool):
+            raise TypeError(
+                f"pin_memory={pin_memory!r} must be True (pinned host buffers) or False"
+            )
+        if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+            raise ValueError(
+                f"min_bytes={min_bytes!r} must be an int >= 0: saved tensors smaller than this "
+                "stay where they are"
+            )
         self.pin_memory, self.max_inflight, self.min_bytes = pin_memory, max_inflight, min_bytes
         self.ledger = Ledger()
         self.buffer_allocations = 0  # host buffers allocated (the pool serves the rest)
@@ -476,6 +489,11 @@ class SavedInputOffload:
 
     def __exit__(self, *exc: Any) -> None:
         hooks, self._hooks = self._hooks, None
+        if hooks is None:
+            raise RuntimeError(
+                "SavedInputOffload was exited without being entered: use it as "
+                "`with offload: loss = model(batch)` (enter, then exit, once per forward)"
+            )
         hooks.__exit__(*exc)
         self._poll()
 
