@@ -35,8 +35,6 @@ from typing import Any
 
 import torch
 
-from prime_ac import diagnostics
-
 __all__ = ["Ledger", "Offloader", "SavedInputOffload"]
 
 logger = logging.getLogger("prime_ac")
@@ -270,7 +268,7 @@ class Offloader:
                 self._inflight.remove((store, entry))
                 self._finish(store, entry, wait=True)
         for entry in entries:
-            self._copy_in(entry, store.name)
+            self._copy_in(entry)
             if entry.back is not None:
                 torch.cuda.current_stream(entry.back[0].device).wait_event(entry.back[1])
                 self._swap_back(entry, entry.back[0])
@@ -286,12 +284,11 @@ class Offloader:
         for entry in self._entries.get(store, []) if store is not None else []:
             if budget is not None and entry.nbytes > budget:
                 break
-            if self._copy_in(entry, store.name) and budget is not None:
+            if self._copy_in(entry) and budget is not None:
                 budget -= entry.nbytes
 
-    def _copy_in(self, entry: _Entry, name: str) -> bool:
-        """Start the inbound copy (CUDA); on CPU bring the copy back now. True if it started.
-        ``name`` (the store's) labels the device buffers (prime_ac.labelled_allocations)."""
+    def _copy_in(self, entry: _Entry) -> bool:
+        """Start the inbound copy (CUDA); on CPU bring the copy back now. True if it started."""
         if entry.back is not None or not entry.host:
             return False
         if entry.out_event is None:  # CPU
@@ -299,8 +296,7 @@ class Offloader:
             return False
         device = torch.device("cuda", torch.cuda.current_device())
         compute = torch.cuda.current_stream(device)
-        with diagnostics.label(f"prime_ac offloaded {name}"):  # on the compute stream
-            dev = [torch.empty_like(h, device=device) for h in entry.host]
+        dev = [torch.empty_like(h, device=device) for h in entry.host]  # on the compute stream
         stream = self._side_stream(device)
         stream.wait_stream(compute)
         with torch.cuda.stream(stream):
