@@ -50,6 +50,9 @@ __all__ = [
     "tree_unflatten",
     "version",
     "written_arguments",
+    "attach_oom_observer",
+    "saved_tensor_values",
+    "set_allocation_label",
 ]
 
 # FSDP2 (fully_shard) passes each all-gather's flat output buffer through this op of its private
@@ -311,3 +314,54 @@ def own_code_getter(value: Any) -> Callable[[], Any]:
         None,
         template.__closure__,
     )
+
+
+def saved_tensor_values(node: Any) -> list[Any]:
+    """What autograd node ``node`` saved, as packed (never unpacked): a tensor, or what a pack
+    hook returned (a checkpoint's holder, an offload's record). Unpacking would run a
+    checkpoint's recompute, so this reads ``SavedTensor.data`` behind the node's
+    ``_raw_saved_*`` attributes (torch 2.0-2.14; a node whose saves were freed by a backward
+    gives nothing). Public replacement: none (``_saved_*`` unpacks)."""
+    names = _raw_saved_names.get(type(node))
+    if names is None:
+        names = _raw_saved_names[type(node)] = tuple(
+            n for n in dir(node) if n.startswith("_raw_saved_")
+        )
+    found = []
+    for name in names:
+        try:
+            value = getattr(node, name)
+        except RuntimeError:  # released by a backward that ran through the node
+            continue
+        for saved in value if isinstance(value, (list, tuple)) else (value,):
+            data = getattr(saved, "data", None)
+            if data is not None:
+                found.append(data)
+    return found
+
+
+_raw_saved_names: dict[type, tuple[str, ...]] = {}
+
+
+def set_allocation_label(label: str) -> bool:
+    """Attach ``label`` to the CUDA caching allocator's later allocations ("" clears it), as
+    they appear in ``torch.cuda.memory._snapshot()``'s traces; False where this torch cannot
+    (a CPU build, or a release without it). ``torch._C._cuda_setMemoryMetadata`` (what
+    ``torch.cuda.memory._set_memory_metadata`` calls). Public replacement: none."""
+    setter = getattr(torch._C, "_cuda_setMemoryMetadata", None)
+    if setter is None:
+        return False
+    setter(label)
+    return True
+
+
+def attach_oom_observer(observer: Callable[..., None]) -> bool:
+    """Have the CUDA caching allocator call ``observer(device, alloc, device_allocated,
+    device_free)`` before it raises out of memory (CUDA builds,
+    ``torch._C._cuda_attach_out_of_memory_observer``; it cannot be detached). False on a CPU
+    build. Public replacement: none."""
+    attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+    if attach is None:
+        return False
+    attach(observer)
+    return True

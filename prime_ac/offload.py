@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from prime_ac import diagnostics
+
 __all__ = ["Ledger", "Offloader", "SavedInputOffload"]
 
 logger = logging.getLogger("prime_ac")
@@ -268,7 +270,8 @@ class Offloader:
                 self._inflight.remove((store, entry))
                 self._finish(store, entry, wait=True)
         for entry in entries:
-            self._copy_in(entry)
+            with diagnostics.label(f"prime_ac offloaded {store.name}"):
+                self._copy_in(entry)
             if entry.back is not None:
                 torch.cuda.current_stream(entry.back[0].device).wait_event(entry.back[1])
                 self._swap_back(entry, entry.back[0])
@@ -284,7 +287,9 @@ class Offloader:
         for entry in self._entries.get(store, []) if store is not None else []:
             if budget is not None and entry.nbytes > budget:
                 break
-            if self._copy_in(entry) and budget is not None:
+            with diagnostics.label(f"prime_ac offloaded {store.name}"):
+                started = self._copy_in(entry)
+            if started and budget is not None:
                 budget -= entry.nbytes
 
     def _copy_in(self, entry: _Entry) -> bool:

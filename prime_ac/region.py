@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -20,6 +21,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint
 
+from prime_ac import diagnostics
 from prime_ac.contexts import compiled_block_context_fn
 
 __all__ = ["cache_positions", "run_region"]
@@ -61,7 +63,7 @@ def run_region(
     if torch.compiler.is_compiling():  # compiled code applies buffer writes once anyway
         region, context_fn = _call, compiled_block_context_fn(state.policy)
     else:
-        region = _Region(block, copies)
+        region = _Region(block, copies, state.name)
         context_fn = region.context_fn(state.context_fn)
     out = checkpoint(
         region,
@@ -103,7 +105,8 @@ class _Region:
     recompute ends; docs/checkpointing.md, "Module state", gives what they cost.
     """
 
-    def __init__(self, block: nn.Module, copies: dict[int | str, Any]) -> None:
+    def __init__(self, block: nn.Module, copies: dict[int | str, Any], name: str) -> None:
+        self.held = diagnostics.track(block, name)  # what the call holds (memory_report)
         modules = _tree(block, [])
         self.buffers = [
             [b for b in m._buffers.values() if b is not None] for m in modules if m._buffers
@@ -123,11 +126,22 @@ class _Region:
         self.changed: list[tuple[Any, Any]] = []  # (argument container, contents before)
 
     def __call__(self, forward: Callable[..., Any], kwargs: dict, *args: Any) -> Any:
+        diagnostics.calls.depth += 1
+        try:
+            return self._run(forward, kwargs, args)
+        except torch.OutOfMemoryError as error:  # what the blocks hold, logged once per error
+            diagnostics.out_of_memory(error, args, kwargs)
+            raise
+        finally:
+            diagnostics.calls.depth -= 1
+
+    def _run(self, forward: Callable[..., Any], kwargs: dict, args: tuple) -> Any:
         if self.recomputing:
             if self.copies:
                 args = tuple(self.copies.get(i, a) for i, a in enumerate(args))
                 kwargs = {k: self.copies.get(k, v) for k, v in kwargs.items()}
             return forward(*args, **kwargs)
+        self.held.forward(args, kwargs)
         containers = [
             value
             for key, value in (*enumerate(args), *kwargs.items())
@@ -157,6 +171,11 @@ class _Region:
     def context_fn(self, inner: Callable[[], tuple[Any, Any]]) -> Callable[[], tuple[Any, Any]]:
         def contexts() -> tuple[Any, Any]:
             forward, recompute = inner()
+            store = getattr(forward, "store", None)
+            if store is not None:
+                self.held.store = weakref.ref(store)
+                if diagnostics.labelling():
+                    diagnostics.label_keeps(forward)
             return forward, _EachEntry(lambda: self._recompute(recompute))
 
         return contexts
