@@ -41,7 +41,7 @@ from torch import nn
 
 from prime_ac import planner
 from prime_ac._compat import returns_alias, schema_is_mutable
-from prime_ac.audit import audit, op_name
+from prime_ac.audit import _grads_preserved, audit, op_name
 from prime_ac.contexts import checkpoint_contexts
 from prime_ac.measure import CallTimer, copy_bandwidth, measure_peak
 from prime_ac.modes import Rules
@@ -492,8 +492,9 @@ def _measure(model: nn.Module, profile: Callable, plans: dict[str, BlockPlan]) -
     try:
         offloader = next((p.offloader for p in plans.values() if p.offloader is not None), None)
         host = (lambda: offloader.ledger.host) if offloader is not None else (lambda: 0)
-        measured = measure_peak(model, profile, host)
-        model.zero_grad(set_to_none=True)
+        # the step's gradients go; those the model held (accumulated micro-batches) come back
+        with _grads_preserved(model):
+            measured = measure_peak(model, profile, host)
         most = planner.most_over_ranks([float(measured)])  # every rank calibrates alike
         return measured if most is None else int(most[0])
     finally:

@@ -10,7 +10,6 @@ raises), every block gets back its class and settings.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import logging
 import sys
 import warnings
@@ -28,14 +27,9 @@ from prime_ac.contexts import block_context_fn
 from prime_ac.discovery import BlockSelector, find_blocks
 from prime_ac.layer_modes import get_layer_modes, layer_policies
 from prime_ac.offload_targets import offload_policies, offloading_context_fn
-from prime_ac.policy import make_policy
+from prime_ac.policy import make_policy, refuse_typos
 from prime_ac.scopes import scope_problems, split_targets, untrack
-from prime_ac.targets import (
-    RELEASE_DEPENDENT_OPERATORS,
-    TargetSet,
-    registered_operators,
-    translate_composites,
-)
+from prime_ac.targets import TargetSet, translate_composites
 from prime_ac.watch import Watch
 from prime_ac.wrapping import (
     BlockCheckpoint,
@@ -410,30 +404,15 @@ def _check_budget_names(budget: Mapping[str, int], names: list[str]) -> None:
         raise ValueError(f"budget= has no entry for checkpointed block(s) {missing}")
 
 
-# Namespaces torch fills when it loads: a name there that names no operator never will.
-_TORCH_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional"})
 # (configuration, problems) already logged
 _REPORTED: set[tuple[Any, tuple[tuple[str, str], ...]]] = set()
 
 
 def _report(problems: list[tuple[str, str]], strict: bool, configuration: Any = None) -> None:
-    """Raise for names in torch's own namespaces that name no operator (``aten::mmm``: a typo,
-    never a late backend); log the other problems once per configuration (the same list logs
-    once per process), or raise for them too with ``strict=True``."""
-    typos = [
-        (target, reason)
-        for target, reason in problems
-        if reason.startswith("names no registered")
-        and target.split("::")[0].split("/")[-1] in _TORCH_NAMESPACES
-        and target.split("/")[-1].split(".")[0] not in RELEASE_DEPENDENT_OPERATORS
-    ]
-    if typos:
-        raise ValueError(
-            "targets naming no operator in a namespace torch loads with itself, so they never "
-            "will: "
-            + "; ".join(f"{target!r} {reason}{_close(target, reason)}" for target, reason in typos)
-            + ". Fix the name (ns::op or ns::op.overload)."
-        )
+    """Raise for names in torch's own namespaces that name no operator
+    (:func:`prime_ac.policy.refuse_typos`); log the other problems once per configuration (the
+    same list logs once per process), or raise for them too with ``strict=True``."""
+    refuse_typos(problems)
     if strict and problems:
         raise ValueError(
             "targets that no dispatch mode can see (strict=True): "
@@ -450,16 +429,3 @@ def _report(problems: list[tuple[str, str]], strict: bool, configuration: Any = 
         len(problems),
         "; ".join(f"{target!r} {reason}" for target, reason in problems),
     )
-
-
-def _close(target: str, reason: str) -> str:
-    """`` (did you mean ...?)`` naming registered operators close to ``target``'s (a wrong
-    overload's reason lists the known overloads already)."""
-    if "overload" in reason:
-        return ""
-    namespace, _, rest = target.split("/")[-1].partition("::")
-    op = rest.split(".")[0]
-    prefix = f"{namespace}::"
-    names = {n[len(prefix) :].split(".")[0] for n in registered_operators() if n.startswith(prefix)}
-    close = difflib.get_close_matches(op, sorted(names), n=3, cutoff=0.75)
-    return f" (did you mean {', '.join(f'{namespace}::{c}' for c in close)}?)" if close else ""

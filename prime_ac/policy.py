@@ -6,6 +6,7 @@ The contexts that apply it during a checkpointed forward and recompute are in
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable
 from typing import Any, Literal
 
@@ -13,6 +14,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from prime_ac._compat import own_code_getter, returns_alias, returns_nothing, schema_is_mutable
+from prime_ac import tables
 from prime_ac.actions import Action
 from prime_ac.scopes import ScopeRules, split_targets
 from prime_ac.targets import (
@@ -20,9 +22,11 @@ from prime_ac.targets import (
     HOST_SYNC_TARGETS,
     LEVEL_TARGETS,
     MANDATORY_TARGETS,
+    RELEASE_DEPENDENT_OPERATORS,
     REPLAYED_BY_MODE,
     TargetSet,
     operator_key,
+    registered_operators,
     translate_composites,
 )
 
@@ -176,8 +180,13 @@ def make_policy(
                 "to keep a list of your own"
             )
         targets = LEVEL_TARGETS[mode]
-    targets = DEFAULT_TARGETS if targets is None else target_list("targets", targets)
+    named = [] if targets is None else target_list("targets", targets)
+    targets = DEFAULT_TARGETS if targets is None else named
     mandatory = () if mandatory is None else target_list("mandatory", mandatory)
+    refuse_typos(
+        TargetSet(split_targets(translate_composites(tables.user_named(named)))[0]).problems()
+        + TargetSet(tables.user_named(mandatory)).problems(mandatory=True)
+    )
     plain, scoped = split_targets(translate_composites(targets))
     target_set = TargetSet(plain)
     replayed = REPLAYED_BY_MODE.get(mode, ())
@@ -185,3 +194,40 @@ def make_policy(
     mandatory_set = TargetSet((*base, *TargetSet(mandatory)))
     rules = ScopeRules(scoped, target_set) if scoped and mode == "selective" else None
     return OperatorPolicy(mode, target_set, mandatory_set, rules)
+
+
+# Namespaces torch fills when it loads: a name there that names no operator never will.
+_TORCH_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional"})
+
+
+def refuse_typos(problems: list[tuple[str, str]]) -> None:
+    """Raise for the ``(target, reason)`` problems (:meth:`TargetSet.problems`) of names in
+    torch's own namespaces that name no operator (``aten::mmm``: a typo, never a late backend),
+    with the registered names closest to each. Shared by every entry that takes targets."""
+    typos = [
+        (target, reason)
+        for target, reason in problems
+        if reason.startswith("names no registered")
+        and target.split("::")[0].split("/")[-1] in _TORCH_NAMESPACES
+        and target.split("/")[-1].split(".")[0] not in RELEASE_DEPENDENT_OPERATORS
+    ]
+    if typos:
+        raise ValueError(
+            "targets naming no operator in a namespace torch loads with itself, so they never "
+            "will: "
+            + "; ".join(f"{target!r} {reason}{_close(target, reason)}" for target, reason in typos)
+            + ". Fix the name (ns::op or ns::op.overload)."
+        )
+
+
+def _close(target: str, reason: str) -> str:
+    """`` (did you mean ...?)`` naming registered operators close to ``target``'s (a wrong
+    overload's reason lists the known overloads already)."""
+    if "overload" in reason:
+        return ""
+    namespace, _, rest = target.split("/")[-1].partition("::")
+    op = rest.split(".")[0]
+    prefix = f"{namespace}::"
+    names = {n[len(prefix) :].split(".")[0] for n in registered_operators() if n.startswith(prefix)}
+    close = difflib.get_close_matches(op, sorted(names), n=3, cutoff=0.75)
+    return f" (did you mean {', '.join(f'{namespace}::{c}' for c in close)}?)" if close else ""
