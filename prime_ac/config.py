@@ -243,8 +243,16 @@ class ACConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(table) - known)
         if unknown:
+            misplaced = [key for key in unknown if key in _OFFLOADING_KEYS]
             raise ValueError(
                 f"unknown activation-checkpointing key(s) {unknown}: accepted keys are {sorted(known)}"
+                + (
+                    f"; {misplaced} belong to prime-rl's [trainer.model.ac_offloading] table: nest "
+                    f"them, {{'ac_offloading': {{{', '.join(repr(k) + ': ...' for k in misplaced)}}}}}"
+                    ", or pass that table alone"
+                    if misplaced
+                    else ""
+                )
             )
         return cls(**table)
 

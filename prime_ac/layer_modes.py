@@ -14,7 +14,10 @@ __all__ = ["get_layer_modes", "layer_policies"]
 
 
 def get_layer_modes(
-    config: ACConfig, layer_names: Sequence[str], num_layers: int | None = None
+    config: ACConfig,
+    layer_names: Sequence[str],
+    num_layers: int | None = None,
+    parts: Sequence[str | None] | None = None,
 ) -> list[str]:
     """The mode of each layer this rank holds under ``config``, ``"none"`` for an unchecked one.
 
@@ -25,10 +28,15 @@ def get_layer_modes(
     rest. The index is the part of the names that tells the layers apart, so blocks that are
     parts of layers (``layers.3.mlp``, ``layers.3.0``) read their layer's entry. ``num_layers``,
     when given, is the full model's layer count that ``layer_modes`` must match.
+
+    ``parts``, prime-rl's fourth argument, is the half each layer keeps where a pipeline stage
+    boundary cuts it (``"attention"`` or ``"moe"``, else None): it picks that half's mode from a
+    pair entry (``["full", "selective"]``). Without ``layer_modes`` it is unused, as in prime-rl.
     """
     names = list(layer_names)
     if config.layer_modes is None:
         return [config.mode if i % config.freq == 0 else "none" for i in range(len(names))]
+    halves = _parts(parts, len(names))
     count = len(config.layer_modes)
     if num_layers is not None and num_layers != count:
         raise ValueError(
@@ -36,7 +44,7 @@ def get_layer_modes(
             "one entry per layer of the full model"
         )
     modes = []
-    for name, index in zip(names, _layer_indices(names), strict=True):
+    for name, index, part in zip(names, _layer_indices(names), halves, strict=True):
         if index >= count:
             raise ValueError(
                 f"layer_modes has {count} entries, one per decoder layer of the full model by "
@@ -44,13 +52,29 @@ def get_layer_modes(
             )
         mode = config.layer_modes[index]
         if not isinstance(mode, str):
-            raise ValueError(
-                f"layer_modes[{index}]={list(mode)!r} gives layer {index} a mode per half "
-                "(attention, moe), which prime-rl applies where a pipeline stage boundary cuts "
-                f"the layer; {name!r} is one whole block here: give it one mode"
-            )
+            if part is None:
+                raise ValueError(
+                    f"layer_modes[{index}]={list(mode)!r} gives layer {index} a mode per half "
+                    "(attention, moe), which prime-rl applies where a pipeline stage boundary "
+                    f"cuts the layer; {name!r} is one whole block here: give it one mode, or "
+                    "pass parts= naming the half this stage holds"
+                )
+            mode = mode[0] if part == "attention" else mode[1]
         modes.append(mode)
     return modes
+
+
+def _parts(parts: Sequence[str | None] | None, count: int) -> list[str | None]:
+    """prime-rl's ``parts``: one of "attention", "moe" or None per layer name."""
+    if not parts:  # prime-rl's `parts or [None] * len(layer_names)`
+        return [None] * count
+    halves = list(parts)
+    if len(halves) != count or any(p not in ("attention", "moe", None) for p in halves):
+        raise ValueError(
+            f"parts={halves!r} must give each of the {count} layer names the half a pipeline "
+            "stage boundary leaves it ('attention' or 'moe'), or None for a whole layer"
+        )
+    return halves
 
 
 def _layer_indices(names: list[str]) -> list[int]:
