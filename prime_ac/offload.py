@@ -334,12 +334,17 @@ class Offloader:
 
 class _Kept:
     """A saved tensor left where it is, with the version it was saved at: autograd checks no
-    version under saved-tensor hooks, so the unpack does."""
+    version under saved-tensor hooks, so the unpack does. A tensor without a graph (metadata
+    such as ``cu_seqlens``) is handed back as the same object, which code that caches by
+    identity relies on (prime-rl's offloader does the same); one with a graph is held detached,
+    as autograd wraps it anew on unpack anyway and holding an output saved by the node that made
+    it would keep that graph alive in a cycle."""
 
     __slots__ = ("tensor", "version")
 
-    def __init__(self, tensor: torch.Tensor, version: int):
-        self.tensor, self.version = tensor, version
+    def __init__(self, t: torch.Tensor):
+        self.tensor = t if t.grad_fn is None else t.detach()
+        self.version = t._version
 
 
 class _Copy:
@@ -522,7 +527,7 @@ class SavedInputOffload:
                     "nothing on this device). Logged once per device type.",
                     t.device.type,
                 )
-            return _Kept(t.detach(), t._version)
+            return _Kept(t)
         last = self._entry[-1]() if self._entry else None
         if (  # the same tensor saved again at once (x * x): one host copy serves both
             last is not None
