@@ -104,12 +104,21 @@ class BlockProfile:
     """One checkpointed block: its calls in forward order, its input's bytes (always held) and,
     where the profiled step measured it, ``saved_bytes``: what autograd saves for the block
     without checkpointing, which its recompute rebuilds (the kept results handed back among it).
+
+    ``forward_extra`` and ``backward_extra`` are bytes its forward's and its backward's points
+    hold beyond what :func:`simulate` counts from its calls (what the step holds outside the
+    blocks, saved RNG states, temporaries, gradients in flight), and ``after_bytes`` what the
+    step holds after its forward outside any block until its backward (the logits and the loss
+    after the last block): :func:`prime_ac.budget.profiles` measures them on the profiled step.
     """
 
     name: str
     calls: tuple[Call, ...]
     input_bytes: int = 0
     saved_bytes: int | None = None
+    forward_extra: int = 0
+    backward_extra: int = 0
+    after_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -123,12 +132,23 @@ class BlockProfile:
             )
         object.__setattr__(self, "calls", tuple(self.calls))
         _check_count("BlockProfile input_bytes", self.input_bytes)
+        for extra in ("forward_extra", "backward_extra", "after_bytes"):
+            _check_count(f"BlockProfile {extra}", getattr(self, extra))
         if self.saved_bytes is not None:
             _check_count("BlockProfile saved_bytes", self.saved_bytes)
 
     @property
     def forward_seconds(self) -> float:
         return sum(c.seconds for c in self.calls)
+
+    def structure(self) -> tuple:
+        """All the planner reads of the block but its name, times and measured extras: blocks
+        alike in it are identical to the planner, and :func:`plan` gives them one plan."""
+        return (
+            tuple((c.op, c.index, c.bytes, c.kind) for c in self.calls),
+            self.input_bytes,
+            self.saved_bytes,
+        )
 
     def working_bytes(self, held: int = 0) -> int:
         """What its backward holds once the recompute ran, ``held`` being the bytes of its kept
@@ -171,7 +191,10 @@ def simulate(
     for them at the end of block ``i``), block ``i``'s kept and offloaded results so far, and
     call ``j``'s result. Backward of block ``i``: the inputs of blocks ``0..i``, what blocks
     before it keep, block ``i-1``'s offloaded results (prefetched during it) and all of block
-    ``i``'s working set (:meth:`BlockProfile.working_bytes`).
+    ``i``'s working set (:meth:`BlockProfile.working_bytes`). Each point adds its block's
+    measured ``forward_extra`` or ``backward_extra``; a block with ``after_bytes`` has one more
+    point after its forward: what the forward left (inputs, kept and offloaded results) plus
+    those bytes.
 
     Copies run in order on one stream at ``bandwidth`` bytes/s; a block's outbound copies hide
     behind the next block's forward, its inbound copies behind the backward of the block after
@@ -193,16 +216,18 @@ def simulate(
         base = held_before + inputs[i] + (out[i - 1] if i else 0)
         running = 0
         for call, d in zip(block.calls, chosen, strict=True):
-            here = base + running + call.bytes
+            here = base + running + call.bytes + block.forward_extra
             if d != REPLAY:
                 running += call.bytes
             points.append((f"{block.name} forward {call.op}#{call.index}", here))
         held_before += inputs[i] + kept[i]
+        if block.after_bytes:
+            points.append((f"after {block.name}", held_before + out[i] + block.after_bytes))
     for i in reversed(range(n)):
         held_before -= inputs[i] + kept[i]
         working = blocks[i].working_bytes(kept[i] + out[i])
         here = held_before + inputs[i] + working + (out[i - 1] if i else 0)
-        points.append((f"{blocks[i].name} backward", here))
+        points.append((f"{blocks[i].name} backward", here + blocks[i].backward_extra))
     replay = sum(
         c.seconds
         for b, chosen in zip(blocks, decisions, strict=True)
@@ -246,6 +271,8 @@ class Plan:
     # well under its prediction, and the budget this one was then planned for instead
     tightened_from: Plan | None = None
     planned_for: int | None = None
+    # the simulator's nodes the planning evaluated (prefix-tree updates): its cost, counted
+    evaluations: int = 0
 
     def chosen(self, block: str, decision: str) -> list[tuple[str, int]]:
         """``(op, index)`` of the calls of ``block`` with this decision."""
@@ -258,16 +285,32 @@ class Plan:
 
     def table(self) -> str:
         """Per block and call: the decision, the bytes, and the block's exposed copy time."""
+        from prime_ac.diagnostics import group_names, grouped
+
         sim = self.simulation
         rows = [f"{'block':<20} {'operator':<34} {'decision':<8} {'bytes':>14}"]
-        for block, chosen in zip(self.blocks, self.decisions, strict=True):
+        same = [  # neighbouring blocks of equal calls, decisions and copy time: one group
+            (
+                block.name,
+                (
+                    [(c.op, c.index, c.bytes) for c in block.calls],
+                    chosen,
+                    sim.exposed_by_block.get(block.name, 0.0),
+                ),
+                (block, chosen),
+            )
+            for block, chosen in zip(self.blocks, self.decisions, strict=True)
+        ]
+        for names, (block, chosen) in grouped(same):
+            name = group_names(names)  # "x4 layers.0-3"
             for call, d in zip(block.calls, chosen, strict=True):
                 rows.append(
-                    f"{block.name:<20} {call.op + '#' + str(call.index):<34} {d:<8} {call.bytes:>14,}"
+                    f"{name:<20} {call.op + '#' + str(call.index):<34} {d:<8} {call.bytes:>14,}"
                 )
             rows.append(
-                f"{block.name:<20} {'(exposed copy time)':<34} {'':<8} "
+                f"{name:<20} {'(exposed copy time)':<34} {'':<8} "
                 f"{sim.exposed_by_block.get(block.name, 0.0) * 1e3:>11.3f} ms"
+                + (" each" if len(names) > 1 else "")
             )
         rows.append(
             f"predicted peak {format_bytes(sim.peak)} (budget {format_bytes(self.budget)}), host "
@@ -343,30 +386,189 @@ def plan(
     blocks = list(blocks)
     bandwidth *= 1 - bandwidth_error
     cap = math.inf if host_cap is None else host_cap
-    decisions = _least(blocks, int(min(cap, 2**62)))
-    sim = simulate(blocks, decisions, bandwidth)
-    fits = sim.peak <= budget
+    least = _least(blocks, int(min(cap, 2**62)))
+    # identical blocks that start alike form one class and take every upgrade together; the
+    # last block apart (no forward follows it to hide its copies)
+    classes: dict[tuple, list[int]] = {}
+    for i, block in enumerate(blocks):
+        key = (block.structure(), tuple(least[i]), i == len(blocks) - 1)
+        classes.setdefault(key, []).append(i)
+    step = _Step(blocks, least, list(classes.values()), bandwidth)
+    fits = step.peak <= budget
     order = sorted(
-        ((i, j) for i, b in enumerate(blocks) for j, c in enumerate(b.calls)),
-        key=lambda ij: (
-            -blocks[ij[0]].calls[ij[1]].seconds / max(blocks[ij[0]].calls[ij[1]].bytes, 1)
-        ),
+        ((c, j) for c, members in enumerate(step.classes) for j in range(len(blocks[members[0]].calls))),
+        key=lambda cj: -step.seconds(*cj) / max(blocks[step.classes[cj[0]][0]].calls[cj[1]].bytes, 1),
     )
-    for step in ((REPLAY, OFFLOAD), (REPLAY, KEEP), (OFFLOAD, KEEP)):
-        for i, j in order:
-            call = blocks[i].calls[j]
-            if decisions[i][j] != step[0] or step[1] not in call.choices():
-                continue
-            decisions[i][j] = step[1]
-            trial = simulate(blocks, decisions, bandwidth)
-            # from replay: only when the step gets faster; offload -> keep also when no
-            # slower (it frees the host and the link)
-            faster = trial.cost < sim.cost or (step[0] == OFFLOAD and trial.cost <= sim.cost)
-            if trial.peak <= budget and trial.host_bytes <= cap and faster:
-                sim = trial
-            else:
-                decisions[i][j] = step[0]
-    return Plan(blocks, decisions, budget, host_cap or 0, bandwidth, sim, fits)
+    # no upgrade lowers any point's bytes: a step over the budget at the least stays over it
+    for old, new in ((REPLAY, OFFLOAD), (REPLAY, KEEP), (OFFLOAD, KEEP)) if fits else ():
+        for c, j in order:
+            if step.decided[c][j] == old and new in blocks[step.classes[c][0]].calls[j].choices():
+                step.upgrade(c, j, new, budget, cap)
+    decisions = [list(step.decided[step.of[i]]) for i in range(len(blocks))]
+    chosen = Plan(
+        blocks, decisions, budget, host_cap or 0, bandwidth, simulate(blocks, decisions, bandwidth), fits
+    )
+    chosen.evaluations = step.work()
+    return chosen
+
+
+class _Prefix:
+    """The most, over positions ``p``, of ``value[p]`` plus the ``weight``s before ``p``, kept
+    under point updates in O(log n): a tree of (weight sum, most) per range. A step's peak is
+    this over its blocks (weights: what each keeps for later), and a block's forward is this
+    over its calls (weights: what each leaves held), so an upgrade is checked by updating a
+    few leaves instead of simulating the step again. ``work`` counts the nodes evaluated."""
+
+    def __init__(self, weights: Sequence[int], values: Sequence[float]):
+        self.size = 1 << max(len(values) - 1, 0).bit_length()
+        self.sum = [0] * (2 * self.size)
+        self.most = [-math.inf] * (2 * self.size)
+        self.sum[self.size : self.size + len(weights)] = weights
+        self.most[self.size : self.size + len(values)] = values
+        for k in range(self.size - 1, 0, -1):
+            self.sum[k] = self.sum[2 * k] + self.sum[2 * k + 1]
+            self.most[k] = max(self.most[2 * k], self.sum[2 * k] + self.most[2 * k + 1])
+        self.work = self.size
+
+    @property
+    def top(self) -> float:
+        return self.most[1]
+
+    def set(self, p: int, weight: int, value: float) -> None:
+        k = self.size + p
+        self.sum[k], self.most[k] = weight, value
+        while k > 1:
+            k //= 2
+            total = self.sum[2 * k] + self.sum[2 * k + 1]
+            most = max(self.most[2 * k], self.sum[2 * k] + self.most[2 * k + 1])
+            self.work += 1
+            if total == self.sum[k] and most == self.most[k]:
+                return  # the ranges above are unchanged
+            self.sum[k], self.most[k] = total, most
+
+
+class _Step:
+    """One step under decisions that only ever upgrade, for :func:`plan`: what :func:`simulate`
+    computes, kept incrementally. Block ``i`` contributes ``term(i)`` (its points less what
+    blocks before it keep) on top of the prefix sum of the blocks' inputs and kept bytes; the
+    members of a class share their decisions and so one forward tree."""
+
+    def __init__(
+        self,
+        blocks: list[BlockProfile],
+        least: list[list[str]],
+        classes: list[list[int]],
+        bandwidth: float,
+    ):
+        self.blocks, self.classes, self.bandwidth = blocks, classes, bandwidth
+        self.of = [0] * len(blocks)
+        for c, members in enumerate(classes):
+            for i in members:
+                self.of[i] = c
+        self.decided = [list(least[members[0]]) for members in classes]
+        self.forwards = [
+            _Prefix(
+                [x.bytes if d != REPLAY else 0 for x, d in zip(blocks[m[0]].calls, d_, strict=True)],
+                [x.bytes for x in blocks[m[0]].calls],
+            )
+            for m, d_ in zip(classes, self.decided, strict=True)
+        ]
+        self.kept, self.out, self.replay = [], [], []
+        for block, chosen in zip(blocks, least, strict=True):
+            pairs = list(zip(block.calls, chosen, strict=True))
+            self.kept.append(sum(x.bytes for x, d in pairs if d == KEEP))
+            self.out.append(sum(x.bytes for x, d in pairs if d == OFFLOAD))
+            self.replay.append(sum(x.seconds for x, d in pairs if d == REPLAY))
+        self.host = sum(self.out)
+        self.forward_seconds = [b.forward_seconds for b in blocks]
+        self.tree = _Prefix(
+            [b.input_bytes + k for b, k in zip(blocks, self.kept, strict=True)],
+            [self.term(i) for i in range(len(blocks))],
+        )
+
+    @property
+    def peak(self) -> float:
+        return self.tree.top if self.blocks else 0
+
+    def work(self) -> int:
+        return self.tree.work + sum(f.work for f in self.forwards)
+
+    def seconds(self, c: int, j: int) -> float:
+        """Replay time the call saves per member of its class."""
+        members = self.classes[c]
+        return sum(self.blocks[i].calls[j].seconds for i in members) / len(members)
+
+    def term(self, i: int) -> float:
+        """Block ``i``'s highest point less what the blocks before it hold for later."""
+        block = self.blocks[i]
+        before = self.out[i - 1] if i else 0
+        forward = self.forwards[self.of[i]].top + block.forward_extra
+        backward = block.working_bytes(self.kept[i] + self.out[i]) + block.backward_extra
+        here = block.input_bytes + before + max(forward, backward)
+        if block.after_bytes:
+            after = block.input_bytes + self.kept[i] + self.out[i] + block.after_bytes
+            here = max(here, after)
+        return here
+
+    def exposed(self, i: int) -> float:
+        """Block ``i``'s copy time that no compute hides (as :func:`simulate` has it)."""
+        if not self.out[i]:
+            return 0.0
+        copy = self.out[i] / self.bandwidth
+        last = i + 1 == len(self.blocks)
+        window_out = self.forward_seconds[i] / 2 + (0 if last else self.forward_seconds[i + 1])
+        window_in = 0.0 if last else 2 * self.forward_seconds[i + 1] + self.replay[i + 1]
+        return max(0.0, copy - window_out) + max(0.0, copy - window_in)
+
+    def upgrade(self, c: int, j: int, new: str, budget: int, cap: float) -> bool:
+        """Call ``j`` of class ``c`` becomes ``new`` in every member if the step still fits the
+        budget and the host cap and gets faster (from offload: no slower); else nothing
+        changes."""
+        members = self.classes[c]
+        old = self.decided[c][j]
+        size = self.blocks[members[0]].calls[j].bytes
+        offloaded = size * ((new == OFFLOAD) - (old == OFFLOAD))
+        if self.host + offloaded * len(members) > cap:
+            return False
+        near = sorted({k for i in members for k in (i - 1, i, i + 1) if 0 <= k < len(self.blocks)})
+        saved = {i: (self.kept[i], self.out[i], self.replay[i]) for i in members}
+        exposed = sum(self.exposed(k) for k in near)
+        for i in members:
+            self.out[i] += offloaded
+            if old == REPLAY:
+                self.replay[i] -= self.blocks[i].calls[j].seconds
+        after = sum(self.exposed(k) for k in near)
+        replayed = sum(self.blocks[i].calls[j].seconds for i in members) if old == REPLAY else 0.0
+        # faster, or no slower where it frees the host (from offload) or saves replay that a
+        # copy exposed elsewhere costs again (a tie: a later pass may end that copy); a change
+        # within rounding is none
+        change, rounding = after - exposed - replayed, 1e-12 * (after + exposed + replayed)
+        if not (change < -rounding or (change <= rounding and (old == OFFLOAD or replayed > 0))):
+            self._restore(saved)
+            return False
+        for i in members:
+            self.kept[i] += size * ((new == KEEP) - (old == KEEP))
+        forward = self.forwards[c]
+        if old == REPLAY:
+            forward.set(j, size, size)
+        self._refresh(near)
+        if self.tree.top > budget:
+            if old == REPLAY:
+                forward.set(j, 0, size)
+            self._restore(saved)
+            self._refresh(near)
+            return False
+        self.decided[c][j] = new
+        self.host += offloaded * len(members)
+        return True
+
+    def _restore(self, saved: dict[int, tuple[int, int, float]]) -> None:
+        for i, (kept, out, replay) in saved.items():
+            self.kept[i], self.out[i], self.replay[i] = kept, out, replay
+
+    def _refresh(self, near: list[int]) -> None:
+        for i in near:
+            self.tree.set(i, self.blocks[i].input_bytes + self.kept[i], self.term(i))
 
 
 def exhaustive(
