@@ -60,7 +60,7 @@ class CallRecord:
 
     op: Any
     index: int  # how many calls of this overload came before it in the block's forward
-    decision: str  # "kept", "replayed" or "mandatory"
+    decision: str  # "kept", "replayed", "mandatory" or "offloaded" (held on the host)
     bytes: int  # of its outputs
     flops: int
     replayed: bool = False  # re-executed by the recompute (it stops once backward has its inputs)
@@ -80,6 +80,7 @@ class OpRecord:
     kept_bytes: int = 0
     replays: int = 0
     replayed_flops: int = 0
+    offloaded_bytes: int = 0  # decision "offloaded": held on the host, not the device
 
 
 @dataclass
@@ -173,6 +174,7 @@ class AuditReport:
             total.kept_bytes += r.kept_bytes
             total.replays += r.replays
             total.replayed_flops += r.replayed_flops
+            total.offloaded_bytes += r.offloaded_bytes
         rows = sorted(per_op.values(), key=lambda r: (-r.kept_bytes, -r.replayed_flops, r.op))
         header = f"{'operator':<58} {'decision':<10} {'calls':>6} {'kept':>11} {'replays':>8} {'replayed FLOPs':>15}"
         lines = [
@@ -209,6 +211,9 @@ class AuditReport:
                 )
                 or "none"
             ),
+            f"offloaded: {sum(r.calls for r in self.ops if r.decision == 'offloaded')} operator "
+            f"calls, {_mib(sum(r.offloaded_bytes for r in self.ops))} held on the host instead "
+            "of the device",
             f"replayed: {self.replayed_ops} operator calls, {self.replayed_flops / 1e6:.2f} MFLOP "
             f"({self.replayed_flops / max(self.forward_flops, 1):.1%} of one forward)",
             "targets that matched nothing: " + (", ".join(self.unmatched_targets) or "none"),
@@ -259,6 +264,8 @@ class _AuditKeepMode(MeasuringKeepMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         stored = self.store.stored
+        offloader = self.store.offloader
+        moved = offloader.ledger.offloaded if offloader is not None else 0
         out = super().__torch_dispatch__(func, types, args, kwargs)
         action = self.rules.action(func)
         if action is Action.IGNORE:
@@ -266,7 +273,8 @@ class _AuditKeepMode(MeasuringKeepMode):
         index = self.positions[func]
         self.positions[func] += 1
         kept = self.store.stored != stored
-        decision = action.label(kept)
+        offloaded = offloader is not None and offloader.ledger.offloaded != moved
+        decision = "offloaded" if offloaded else action.label(kept)
         # an out= operator returns nothing: what it wrote is its result (and what is kept)
         result = (
             written_tensors(self.rules.writes[func], args, kwargs or {})
@@ -277,7 +285,8 @@ class _AuditKeepMode(MeasuringKeepMode):
         self.recorder.seen.add(func)
         record = self.recorder.record(self.state.name, func, decision)
         record.calls += 1
-        record.kept_bytes += size if kept else 0
+        record.kept_bytes += size if kept and not offloaded else 0
+        record.offloaded_bytes += size if offloaded else 0
         call = CallRecord(func, index, decision, size, flops, scope=self.recorder.scopes.path())
         self.recorder.calls[self.state.name].append(call)
         self.recorder.by_position[(self.state.name, func, index)] = call
@@ -345,6 +354,9 @@ def _recording_contexts(state: BlockCheckpoint, recorder: _Recorder):
             recorder.with_grad.add(state.name)
         keep, _ = inner()  # the rules in effect, exactly as the block would use them
         store = RegionStore(f"block {state.name!r}")
+        # and the offload in effect: offloaded results go to the host as in training
+        for name in ("offloader", "offload_calls", "offload_ops"):
+            setattr(store, name, getattr(keep.store, name))
         return (
             _AuditKeepMode(store, keep.rules, recorder, state),
             _AuditReplayMode(store, keep.rules, recorder, state),

@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
+import warnings
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +44,7 @@ from torch import nn
 from prime_ac import planner
 from prime_ac._compat import returns_alias, schema_is_mutable
 from prime_ac.audit import _grads_preserved, audit, op_name
-from prime_ac.contexts import checkpoint_contexts
+from prime_ac.contexts import checkpoint_contexts, with_recipe
 from prime_ac.measure import CallTimer, copy_bandwidth, measure_peak
 from prime_ac.modes import Rules
 from prime_ac.offload import Offloader
@@ -79,6 +81,28 @@ class BlockPlan:
     offloaded: tuple[tuple[str, int], ...] = ()
     offloader: Any = field(default=None, repr=False, compare=False)
     peak: Any = field(default=None, repr=False, compare=False)  # the planner's whole-step Plan
+    # the block's module.training in the profiled step (None: not recorded): dropout and batch
+    # norm hold other bytes in the other mode
+    training: bool | None = field(default=None, compare=False)
+
+    def warn_mode(self, training: bool) -> None:
+        """Say (once per process, by the warnings registry) that the block now runs in the
+        other mode than the one its plan was profiled in."""
+        profiled, now = ("train()", "eval()") if self.training else ("eval()", "train()")
+        warnings.warn(
+            f"prime_ac: a targets=\"auto\" plan was profiled with the model in {profiled} and "
+            f"the block now runs in {now}: dropout and batch norm hold other bytes there, so "
+            "the plan's budget no longer holds. Profile in the mode you train in: call "
+            f"model.{'train' if not self.training else 'eval'}() before checkpoint_blocks.",
+            stacklevel=3,
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # operator objects do not pickle: the calls travel by name (the offloader as a fresh
+        # one, prime_ac.offload.Offloader.__reduce__)
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields["kept"], fields["offloaded"] = _named(self.kept), _named(self.offloaded)
+        return (_restored_plan, (fields,))
 
     def as_targets(self) -> list[str]:
         """Scoped targets that keep exactly the calls this plan keeps, for a config file.
@@ -136,6 +160,27 @@ class BlockPlan:
                     f"{'keep' if keeps else 'replay'} {op} in {scope or '<block>'}, which the "
                     "plan does not"
                 )
+
+
+@contextlib.contextmanager
+def profiled_modes(blocks: list[tuple[str, nn.Module]]) -> Iterator[dict[str, bool]]:
+    """``{block name: module.training}`` as each block's first forward inside ran."""
+    seen: dict[str, bool] = {}
+
+    def note(name: str, module: nn.Module, args: Any) -> None:
+        seen.setdefault(name, module.training)
+
+    hooks = [block.register_forward_pre_hook(functools.partial(note, n)) for n, block in blocks]
+    try:
+        yield seen
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _restored_plan(fields: dict[str, Any]) -> BlockPlan:
+    fields["kept"], fields["offloaded"] = _resolved(fields["kept"]), _resolved(fields["offloaded"])
+    return BlockPlan(**fields)
 
 
 def _frontier(items: Sequence[tuple[int, int]], capacity: int) -> dict[int, tuple[int, tuple]]:
@@ -279,15 +324,45 @@ def budget_context_fn(
     contexts = checkpoint_contexts(
         Rules(policy, {op: frozenset(indices) for op, indices in plan.items()}), name
     )
+    # a copy of the block (pickle, deepcopy) makes its contexts again from the calls' names
+    recipe = (_named_budget_context_fn, policy, _named(kept), name, _named(offloaded), offloader)
     if offloader is None or not offloaded:
-        return contexts
+        return with_recipe(contexts, *recipe)
 
     def offloading_contexts() -> tuple[Any, Any]:
         forward, recompute = contexts()
         forward.store.offloader, forward.store.offload_calls = offloader, offloaded
         return forward, recompute
 
-    return offloading_contexts
+    return with_recipe(offloading_contexts, *recipe)
+
+
+def _named(calls: Any) -> tuple[tuple[str, int], ...]:
+    """``(operator, index)`` calls with the operators by name: operator objects do not pickle."""
+    return tuple((op_name(op), index) for op, index in calls)
+
+
+def _resolved(calls: Sequence[tuple[str, int]]) -> tuple[tuple[Any, int], ...]:
+    """:func:`_named`'s calls with their operator objects again."""
+    found = []
+    for name, index in calls:
+        namespace, _, rest = name.partition("::")
+        op, _, overload = rest.partition(".")
+        packet = getattr(getattr(torch.ops, namespace), op)
+        found.append((getattr(packet, overload or "default"), index))
+    return tuple(found)
+
+
+def _named_budget_context_fn(
+    policy: OperatorPolicy,
+    kept: Sequence[tuple[str, int]],
+    name: str,
+    offloaded: Sequence[tuple[str, int]],
+    offloader: Offloader | None,
+) -> Callable[[], tuple[Any, Any]]:
+    return budget_context_fn(
+        policy, frozenset(_resolved(kept)), name, frozenset(_resolved(offloaded)), offloader
+    )
 
 
 def plan_budget(

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from prime_ac import tables
-from prime_ac.budget import budget_context_fn, plan_budget
+from prime_ac.budget import budget_context_fn, plan_budget, profiled_modes
 from prime_ac.config import ACConfig
 from prime_ac.contexts import block_context_fn
 from prime_ac.discovery import BlockSelector, find_blocks
@@ -187,7 +187,8 @@ def checkpoint_blocks(
         for block in leaving:
             wrap_block(block, dataclasses.replace(checkpoint_state(block), active=False))
         if auto:
-            plans = plan_budget(model, _checked_profile(profile), config.budget)
+            with profiled_modes(selected) as training:
+                plans = plan_budget(model, _checked_profile(profile), config.budget)
             for name, block in selected:
                 state = dataclasses.replace(
                     checkpoint_state(block),
@@ -198,7 +199,7 @@ def checkpoint_blocks(
                         frozenset(plans[name].offloaded),
                         plans[name].offloader,
                     ),
-                    plan=plans[name],
+                    plan=dataclasses.replace(plans[name], training=training.get(name)),
                 )
                 wrap_block(block, state)
         for block in leaving:

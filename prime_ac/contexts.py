@@ -26,11 +26,14 @@ from prime_ac.watch import MeasuringKeepMode, Watch
 
 __all__ = [
     "KeptOutputMutatedError",
+    "Recipe",
     "block_context_fn",
     "ReplayMismatchError",
     "checkpoint_contexts",
     "context_fn",
+    "portable",
     "region_contexts",
+    "with_recipe",
 ]
 
 _PREFER_RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
@@ -68,12 +71,49 @@ def _plan_under_compile(name: str) -> RuntimeError:
     )
 
 
+class Recipe:
+    """How to make a block's ``context_fn`` again: ``factory(*args)``.
+
+    A context function is a closure (torch.compile takes a function as a checkpoint's
+    ``context_fn``, not an object), which neither pickles nor deep-copies: a copy would run the
+    original's policy and offloader. The factories below attach their recipe to what they make
+    (:func:`with_recipe`); a block's settings travel as the recipe (:func:`portable`), which
+    pickles and copies as ``factory(*args)``, so the copy makes its own from copied arguments.
+    """
+
+    __slots__ = ("args", "factory")
+
+    def __init__(self, factory: Callable[..., Any], args: tuple):
+        self.factory, self.args = factory, args
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (self.factory, self.args)
+
+
+_RECIPE = "_prime_ac_recipe"
+
+
+def with_recipe(fn: Any, factory: Callable[..., Any], *args: Any) -> Any:
+    """``fn``, made by ``factory(*args)``, carrying that recipe (a context function among the
+    arguments travels as its own recipe)."""
+    if not torch.compiler.is_compiling():  # dynamo sets no attribute on what it traces
+        setattr(fn, _RECIPE, Recipe(factory, tuple(portable(a) for a in args)))
+    return fn
+
+
+def portable(context_fn: Any) -> Any:
+    """What a copy of ``context_fn`` is made from: its recipe where it has one, else itself."""
+    return getattr(context_fn, _RECIPE, context_fn) if callable(context_fn) else context_fn
+
+
 def block_context_fn(
     policy: Any, block: str, watch: Watch | None = None, plan: Any = None
 ) -> Callable[[], tuple[Any, Any]]:
     """The ``context_fn`` of one block of a ``checkpoint_blocks`` configuration, reporting its
-    first step to ``watch`` (:mod:`prime_ac.watch`); ``plan`` as for :class:`Rules`."""
-    return checkpoint_contexts(Rules(policy, plan, watch, block), f"block {block!r}")
+    first step to ``watch`` (:mod:`prime_ac.watch`); ``plan`` as for :class:`Rules`. A copy
+    reports nothing (its recipe has no watch)."""
+    fn = checkpoint_contexts(Rules(policy, plan, watch, block), f"block {block!r}")
+    return with_recipe(fn, block_context_fn, policy, block, None, plan)
 
 
 def checkpoint_contexts(rules: Rules, name: str) -> Callable[[], tuple[Any, Any]]:

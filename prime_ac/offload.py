@@ -146,6 +146,17 @@ class Offloader:
         self._order: list[weakref.ref] = []  # stores holding offloaded results, forward order
         self._entries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # host copies belong to the model (and the process) that made them: a copy (deepcopy,
+        # pickle) gets an empty offloader of its own with the same settings
+        settings = {
+            "host_cap": self.host_cap,
+            "prefetch_bytes": self.prefetch_bytes,
+            "max_inflight": self.max_inflight,
+            "pin_memory": self.pin_memory,
+        }
+        return (_fresh_offloader, (self.capacity, settings))
+
     # --- forward ------------------------------------------------------------------------------
 
     def offload(self, store: Any, kept: Any) -> bool:
@@ -212,9 +223,21 @@ class Offloader:
             entries = self._entries[store] = []
             self._order = [r for r in self._order if r() is not None]
             self._order.append(weakref.ref(store))
+            # a block whose backward never runs (its graph dropped, its forward raised, frozen)
+            weakref.finalize(store, self._dropped, entries).atexit = False
         entries.append(entry)
         if entry.out_event is not None:
             self._inflight.append((store, entry))
+
+    def _dropped(self, entries: list[_Entry]) -> None:
+        """A store died with results still out: their host bytes are free (and the buffer once
+        nothing else is out), so later steps offload as planned instead of overflowing."""
+        for entry in entries:
+            if entry.host:
+                entry.host = []
+                self.ledger.add(host=-entry.nbytes)
+        if next(iter(self._entries.keys()), None) is None:  # live stores only
+            self._offset = 0
 
     def _poll(self) -> None:
         """Drop the device tensors of the copies that are done."""
@@ -330,6 +353,10 @@ class Offloader:
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
         return self._stream
+
+
+def _fresh_offloader(capacity: int | None, settings: dict[str, Any]) -> Offloader:
+    return Offloader(capacity, **settings)
 
 
 class _Kept:

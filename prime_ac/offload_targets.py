@@ -19,6 +19,7 @@ from typing import Any
 
 from prime_ac._compat import returns_alias, schema_is_mutable
 from prime_ac.actions import Action
+from prime_ac.contexts import with_recipe
 from prime_ac.offload import Offloader
 from prime_ac.policy import OperatorPolicy
 from prime_ac.scopes import ScopeRules
@@ -61,16 +62,13 @@ class OffloadPolicy(OperatorPolicy):
         return answer
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # a copy gets a fresh offloader: host copies belong to the process that made them
-        args = (self.mode, self.targets, self.mandatory, self.scoped, self.offload)
-        return (_rebuilt, args)
+        # the offloader copies as a fresh one (Offloader.__reduce__), once for all the policies
+        # and context functions sharing it
+        args = (self.mode, self.targets, self.mandatory, self.scoped, self.offload, self.offloader)
+        return (OffloadPolicy, args)
 
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]}, offload={list(self.offload)!r})"
-
-
-def _rebuilt(*args: Any) -> OffloadPolicy:
-    return OffloadPolicy(*args, Offloader(None))
 
 
 def with_offload(policy: OperatorPolicy, offload: TargetSet, offloader: Offloader) -> Any:
@@ -95,7 +93,7 @@ def offloading_context_fn(
             store.offloader, store.offload_ops = policy.offloader, policy.offloads
         return forward, recompute
 
-    return contexts
+    return with_recipe(contexts, offloading_context_fn, context_fn, policy)
 
 
 def offload_policies(policies: dict[str, Any], offload: Any) -> dict[str, Any]:

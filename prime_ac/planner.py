@@ -395,19 +395,19 @@ def plan(
         classes.setdefault(key, []).append(i)
     step = _Step(blocks, least, list(classes.values()), bandwidth)
     fits = step.peak <= budget
+    calls = [blocks[members[0]].calls for members in step.classes]
     order = sorted(
-        ((c, j) for c, members in enumerate(step.classes) for j in range(len(blocks[members[0]].calls))),
-        key=lambda cj: -step.seconds(*cj) / max(blocks[step.classes[cj[0]][0]].calls[cj[1]].bytes, 1),
+        ((c, j) for c in range(len(calls)) for j in range(len(calls[c]))),
+        key=lambda cj: -step.seconds(*cj) / max(calls[cj[0]][cj[1]].bytes, 1),
     )
     # no upgrade lowers any point's bytes: a step over the budget at the least stays over it
     for old, new in ((REPLAY, OFFLOAD), (REPLAY, KEEP), (OFFLOAD, KEEP)) if fits else ():
         for c, j in order:
-            if step.decided[c][j] == old and new in blocks[step.classes[c][0]].calls[j].choices():
+            if step.decided[c][j] == old and new in calls[c][j].choices():
                 step.upgrade(c, j, new, budget, cap)
     decisions = [list(step.decided[step.of[i]]) for i in range(len(blocks))]
-    chosen = Plan(
-        blocks, decisions, budget, host_cap or 0, bandwidth, simulate(blocks, decisions, bandwidth), fits
-    )
+    sim = simulate(blocks, decisions, bandwidth)
+    chosen = Plan(blocks, decisions, budget, host_cap or 0, bandwidth, sim, fits)
     chosen.evaluations = step.work()
     return chosen
 
@@ -435,16 +435,18 @@ class _Prefix:
         return self.most[1]
 
     def set(self, p: int, weight: int, value: float) -> None:
+        sums, most = self.sum, self.most
         k = self.size + p
-        self.sum[k], self.most[k] = weight, value
+        sums[k], most[k] = weight, value
         while k > 1:
             k //= 2
-            total = self.sum[2 * k] + self.sum[2 * k + 1]
-            most = max(self.most[2 * k], self.sum[2 * k] + self.most[2 * k + 1])
+            left = 2 * k
+            total = sums[left] + sums[left + 1]
+            top = max(most[left], sums[left] + most[left + 1])
             self.work += 1
-            if total == self.sum[k] and most == self.most[k]:
+            if total == sums[k] and top == most[k]:
                 return  # the ranges above are unchanged
-            self.sum[k], self.most[k] = total, most
+            sums[k], most[k] = total, top
 
 
 class _Step:
@@ -466,13 +468,11 @@ class _Step:
             for i in members:
                 self.of[i] = c
         self.decided = [list(least[members[0]]) for members in classes]
-        self.forwards = [
-            _Prefix(
-                [x.bytes if d != REPLAY else 0 for x, d in zip(blocks[m[0]].calls, d_, strict=True)],
-                [x.bytes for x in blocks[m[0]].calls],
-            )
-            for m, d_ in zip(classes, self.decided, strict=True)
-        ]
+        self.forwards = []
+        for members, chosen in zip(classes, self.decided, strict=True):
+            calls = blocks[members[0]].calls
+            left = [x.bytes if d != REPLAY else 0 for x, d in zip(calls, chosen, strict=True)]
+            self.forwards.append(_Prefix(left, [x.bytes for x in calls]))
         self.kept, self.out, self.replay = [], [], []
         for block, chosen in zip(blocks, least, strict=True):
             pairs = list(zip(block.calls, chosen, strict=True))
@@ -530,14 +530,18 @@ class _Step:
         offloaded = size * ((new == OFFLOAD) - (old == OFFLOAD))
         if self.host + offloaded * len(members) > cap:
             return False
-        near = sorted({k for i in members for k in (i - 1, i, i + 1) if 0 <= k < len(self.blocks)})
+        n = len(self.blocks)
+        # whose copy times change: a block's own (its offloads), the one before (its copies
+        # back hide behind this one's replays); whose points: its own and the next (offloads)
+        timed = {i for i in members if offloaded} | {i - 1 for i in members if old == REPLAY and i}
+        near = sorted({*members, *(i + 1 for i in members if offloaded and i + 1 < n)})
         saved = {i: (self.kept[i], self.out[i], self.replay[i]) for i in members}
-        exposed = sum(self.exposed(k) for k in near)
+        exposed = sum(self.exposed(k) for k in timed)
         for i in members:
             self.out[i] += offloaded
             if old == REPLAY:
                 self.replay[i] -= self.blocks[i].calls[j].seconds
-        after = sum(self.exposed(k) for k in near)
+        after = sum(self.exposed(k) for k in timed)
         replayed = sum(self.blocks[i].calls[j].seconds for i in members) if old == REPLAY else 0.0
         # faster, or no slower where it frees the host (from offload) or saves replay that a
         # copy exposed elsewhere costs again (a tie: a later pass may end that copy); a change

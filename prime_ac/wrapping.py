@@ -27,7 +27,7 @@ from typing import Any
 
 from torch import nn
 
-from prime_ac.contexts import block_context_fn
+from prime_ac.contexts import block_context_fn, portable
 from prime_ac.policy import OperatorPolicy
 from prime_ac.region import cache_positions, run_region
 from prime_ac.scopes import retrack, untrack
@@ -78,12 +78,15 @@ class BlockCheckpoint:
         # context_fn closes over the policy, and the policy caches decisions keyed by operator
         # objects (which do not pickle): a copy (deepcopy, pickle) rebuilds both from the
         # settings, so a copy never reads the scope tracker of the original. A targets="auto"
-        # plan's contexts (full mode: no scopes) travel as they are.
+        # plan's or an offloading policy's contexts travel as their recipe
+        # (prime_ac.contexts.Recipe): the copy's are made from its own plan and offloader.
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         fields["watch"] = None  # a copy reports nothing of the original's first step
         policy = fields.pop("policy")
         if type(policy) is OperatorPolicy and self.plan is None:
             del fields["context_fn"]  # made again for the copied policy (OperatorPolicy.__reduce__)
+        else:
+            fields["context_fn"] = portable(self.context_fn)
         return (_restored_state, (policy, fields))
 
 
@@ -98,6 +101,11 @@ class _CheckpointedBlock(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         state: BlockCheckpoint = getattr(self, _STATE)
+        if state.plan is not None and getattr(state.plan, "training", None) not in (
+            None,
+            self.training,
+        ):
+            state.plan.warn_mode(self.training)  # profiled in eval(), trained in train()
         if (
             not state.active
             or state.bypassed
