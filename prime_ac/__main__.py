@@ -118,6 +118,12 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     audit.add_argument(
         "--json", action="store_true", help="print only the report, as JSON (default: a table)"
     )
+    audit.add_argument(
+        "--html",
+        metavar="FILE",
+        help="also write the step's memory as one self-contained HTML page to FILE (held bytes "
+        "per block's forward and backward, the measured peak; prime_ac.report_html)",
+    )
     plan = commands.add_parser(
         "plan",
         formatter_class=_Help,
@@ -143,6 +149,12 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         "--host-cap",
         default=None,
         help="most host memory to offload to, e.g. 64GiB (default: no cap)",
+    )
+    plan.add_argument(
+        "--html",
+        metavar="FILE",
+        help="also write the planned step's memory as one self-contained HTML page to FILE "
+        "(held bytes per block's forward and backward, the budget and predicted peak)",
     )
     parser.plan_parser = plan  # type: ignore[attr-defined]
     return parser, audit
@@ -179,6 +191,10 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         host_cap=host_cap,
     )
     print(chosen.table())
+    if args.html:
+        from prime_ac.report_html import write
+
+        write(report, args.html, plan=chosen)
     return 0
 
 
@@ -234,6 +250,14 @@ def _audit(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(message if "--" in message else f"argument --targets: {message}")
     report = prime_ac.audit(model, loss)
     print(report.to_json(indent=2) if args.json else report)
+    if args.html:
+        from prime_ac.measure import measure_peak
+
+        measured = None if report.peak is None else report.peak[2]
+        if measured is None:  # one more step, measured
+            measured = measure_peak(model, loss)
+            model.zero_grad(set_to_none=True)
+        report.to_html(args.html, measured_peak=measured)
     return 0
 
 

@@ -19,8 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from prime_ac import _compat
 from prime_ac._compat import tree_leaves
 from prime_ac.actions import Action
+from prime_ac.diagnostics import group_names, grouped, inputs_seen, unseen_bytes
 from prime_ac.measure import operator_flops, track_step_by_block, track_step_by_device
 from prime_ac.modes import ReplayMode, written_tensors
 from prime_ac.scopes import ScopeTracker
@@ -116,6 +118,10 @@ class AuditReport:
     blocks_saving_nothing: list[str] = field(default_factory=list)
     # a peak budget (budget="24GiB"): (budget, predicted peak, measured peak or None) in bytes
     peak: tuple[int, int, int | None] | None = None
+    # per block: the bytes of its tensor inputs (what its checkpoint saves to recompute from),
+    # and of the kept results its budget plan offloads to host memory (among block_held_bytes)
+    block_input_bytes: dict[str, int] = field(default_factory=dict)
+    block_offloaded_bytes: dict[str, int] = field(default_factory=dict)
 
     def blocks_worse_than_no_ac(self) -> list[str]:
         """Blocks whose kept results reach what no AC would hold for them, by the first step's
@@ -166,6 +172,13 @@ class AuditReport:
     def to_json(self, **kwargs: Any) -> str:
         return json.dumps(self.to_dict(), **kwargs)
 
+    def to_html(self, path: str, measured_peak: int | None = None) -> None:
+        """Write the step's memory as one self-contained HTML file (:mod:`prime_ac.report_html`);
+        ``measured_peak`` in bytes where one was measured beside the audit."""
+        from prime_ac.report_html import write
+
+        write(self, path, measured_peak=measured_peak)
+
     def __str__(self) -> str:
         per_op: dict[tuple[str, str], OpRecord] = {}
         for r in self.ops:
@@ -189,12 +202,19 @@ class AuditReport:
                 f"{r.replays:>8} {r.replayed_flops / 1e6:>10.2f} MFLOP"
             )
         lines += ["", f"{'block':<24} {'kept':>11} {'replays':>8} {'replayed FLOPs':>15}"]
+        rows = []
         for block in self.blocks:
             records = [r for r in self.ops if r.block == block]
+            row = (
+                sum(r.kept_bytes for r in records),
+                sum(r.replays for r in records),
+                sum(r.replayed_flops for r in records),
+            )
+            rows.append((block, row, row))
+        for names, (kept, replays, flops) in grouped(rows):  # "x4 layers.0-3": equal rows
             lines.append(
-                f"{block:<24} {_mib(sum(r.kept_bytes for r in records)):>11} "
-                f"{sum(r.replays for r in records):>8} "
-                f"{sum(r.replayed_flops for r in records) / 1e6:>10.2f} MFLOP"
+                f"{group_names(names):<24} {_mib(kept):>11} {replays:>8} {flops / 1e6:>10.2f} MFLOP"
+                + (" each" if len(names) > 1 else "")
             )
         lines += [
             "",
@@ -247,6 +267,8 @@ class _Recorder:
         self.scopes = ScopeTracker()  # hooks on the blocks while recording: each call's module
         self.kept_bytes: dict[str, int] = {}  # block -> bytes of its kept results
         self.with_grad: set[str] = set()  # blocks that ran a checkpointed forward with gradients
+        # block -> (offload_calls, offload_ops) of its store, where an offloader moves results
+        self.offloads: dict[str, tuple[Any, Any]] = {}
 
     def record(self, block: str, op: Any, decision: str) -> OpRecord:
         # a budget plan can keep some calls of an overload and replay others: one row each
@@ -353,6 +375,8 @@ def _recording_contexts(state: BlockCheckpoint, recorder: _Recorder):
         if torch.is_grad_enabled():
             recorder.with_grad.add(state.name)
         keep, _ = inner()  # the rules in effect, exactly as the block would use them
+        if keep.store.offloader is not None:  # what it offloads (budget plan, offload=[...])
+            recorder.offloads[state.name] = (keep.store.offload_calls, keep.store.offload_ops)
         store = RegionStore(f"block {state.name!r}")
         # and the offload in effect: offloaded results go to the host as in training
         for name in ("offloader", "offload_calls", "offload_ops"):
@@ -426,7 +450,11 @@ def audit(model: nn.Module, loss_fn: LossFn) -> AuditReport:
         with checkpointing_disabled(model):
             held_none, block_none, forward_flops = track_step_by_block(model, loss_fn, dict(blocks))
         recorder = _Recorder()
-        with _recording(blocks, recorder), recorder.scopes.tracking(b for _, b in blocks):
+        with (
+            _recording(blocks, recorder),
+            recorder.scopes.tracking(b for _, b in blocks),
+            inputs_seen() as inputs,
+        ):
             held, _ = track_step_by_device(model, loss_fn)
         saving_nothing = [
             name
@@ -468,7 +496,38 @@ def audit(model: nn.Module, loss_fn: LossFn) -> AuditReport:
         },
         blocks_saving_nothing=saving_nothing,
         peak=_peak(state.plan),
+        block_input_bytes=_input_bytes(model, blocks, inputs),
+        block_offloaded_bytes=_offloaded([name for name, _ in blocks], recorder),
     )
+
+
+def _input_bytes(
+    model: nn.Module, blocks: list[tuple[str, nn.Module]], inputs: dict[str, dict[int, int]]
+) -> dict[str, int]:
+    """Per block, the bytes of its inputs, each storage counted at the first block taking it;
+    the model's parameters and buffers (a rotary table passed to every block) count nowhere."""
+    seen = {
+        _compat.storage_id(t): 0
+        for t in (*model.parameters(), *model.buffers())
+        if _compat.storage_id(t) is not None
+    }
+    return {name: unseen_bytes(inputs.get(name, {}), seen) for name, _ in blocks}
+
+
+def _offloaded(blocks: list[str], recorder: _Recorder) -> dict[str, int]:
+    """Per block, the bytes of the kept calls its policy offloads to host memory (a budget
+    plan's calls, offload=[...]'s operators); a result the host buffer has no room for stays
+    on the device at run time, which the audit's own step does not see."""
+    found = {}
+    for name in blocks:
+        calls, ops = recorder.offloads.get(name, (frozenset(), None))
+        found[name] = sum(
+            c.bytes
+            for c in recorder.calls.get(name, [])
+            if c.decision != "replayed"
+            and ((c.op, c.index) in calls or (ops is not None and ops(c.op)))
+        )
+    return found
 
 
 def _peak(plan: Any) -> tuple[int, int, int | None] | None:

@@ -64,6 +64,7 @@ def checkpoint_blocks(
     offload: Iterable[str] | None = None,
 ) -> list[str]:
     """Wrap each selected block of ``model`` in its own non-reentrant checkpoint region.
+    group: Any = None,
 
     Works in place and returns the wrapped blocks' qualified names. ``mode`` is ``"full"`` (the
     default: keep only the mandatory operators) or ``"selective"`` (also keep ``targets``,
@@ -81,7 +82,9 @@ def checkpoint_blocks(
     ``budget``, measured on one step ``profile(model)`` that returns a loss
     (see :mod:`prime_ac.budget`). ``budget`` is the step's peak activation memory in bytes (an
     int, or a string such as ``"24GiB"``), a float fraction of the no-AC activation memory, or a
-    ``{block name: bytes}`` mapping.
+    ``{block name: bytes}`` mapping. Under ``torch.distributed`` the ranks of ``group`` (a
+    process group; None: every rank; False: this rank alone) plan together and must all call
+    this with the same blocks and kind of budget, or all raise (:mod:`prime_ac.ranks`).
 
     ``early_stop`` and ``determinism_check`` go to each region's
     ``torch.utils.checkpoint.checkpoint`` call (None: torch's defaults, ``True`` and
@@ -133,6 +136,11 @@ def checkpoint_blocks(
     )
     # the targets a user named, reported when they cannot match; those an adapter supplied
     # (a trainer's list, its translations and device variants: prime_ac.tables) are not
+    if group is not None and not auto:
+        raise ValueError(
+            'group= names the ranks that plan a budget together: it applies only with '
+            'targets="auto"; drop it or set targets="auto"'
+        )
     named = tables.user_named(config.targets or ()) if config.keeps_targets and not auto else []
     _report(
         TargetSet(split_targets(translate_composites(named))[0]).problems()
@@ -188,7 +196,7 @@ def checkpoint_blocks(
             wrap_block(block, dataclasses.replace(checkpoint_state(block), active=False))
         if auto:
             with profiled_modes(selected) as training:
-                plans = plan_budget(model, _checked_profile(profile), config.budget)
+                plans = plan_budget(model, _checked_profile(profile), config.budget, group)
             for name, block in selected:
                 state = dataclasses.replace(
                     checkpoint_state(block),

@@ -33,6 +33,7 @@ import torch
 
 from prime_ac import _compat
 from prime_ac.actions import Action
+from prime_ac.planner import format_bytes
 from prime_ac.store import KeptResult
 
 __all__ = [
@@ -65,13 +66,14 @@ class Held:
         self.inputs = _storages(_compat.tree_leaves((args, kwargs)), inputs=True)
         self.input_bytes = sum(self.inputs.values())
         if _collecting is not None:
-            _collecting.setdefault(self.name, self.input_bytes)
+            _collecting.setdefault(self.name, self.inputs)
 
 
 # the records of live calls, in call order (a record goes when its call's graph is freed)
 _live: weakref.WeakValueDictionary[int, Held] = weakref.WeakValueDictionary()
 _count = itertools.count()
-_collecting: dict[str, int] | None = None  # block -> input bytes of its first call (the audit)
+# block -> storage id -> bytes of the inputs of its first call (the audit's step)
+_collecting: dict[str, dict[int, int]] | None = None
 
 
 class _Calls(threading.local):
@@ -92,9 +94,9 @@ def track(block: torch.nn.Module, name: str) -> Held:
 
 
 @contextlib.contextmanager
-def inputs_seen() -> Iterator[dict[str, int]]:
-    """Within the context, the input bytes of each block's first checkpointed call (the audit
-    reads them from the step it runs)."""
+def inputs_seen() -> Iterator[dict[str, dict[int, int]]]:
+    """Within the context, the input storages (id -> bytes) of each block's first checkpointed
+    call (the audit reads them from the step it runs)."""
     global _collecting
     previous, _collecting = _collecting, {}
     try:
@@ -192,14 +194,14 @@ class MemoryReport:
 
 
 def _mib(n: int) -> str:
-    return f"{n / 2**20:.3f} MiB"
+    return format_bytes(n)
 
 
 def memory_report(
     model: torch.nn.Module | None = None, outputs: Any = None, *, note: str = ""
 ) -> MemoryReport:
-    """What the checkpointed blocks (of ``model``; None: of every model) hold now, read from
-    prime_ac's stores: no second run. ``outputs`` (a tensor or tensors with a graph: the loss,
+    """What the checkpointed blocks (of ``model``; None: of every model, their buffers then
+    counted among the inputs) hold now, read from prime_ac's stores: no second run. ``outputs`` (a tensor or tensors with a graph: the loss,
     the model's output) also has the graph behind it walked for what autograd saves outside
     the blocks, by node.
 
@@ -211,7 +213,9 @@ def memory_report(
     """
     modules = None if model is None else {id(m) for m in model.modules()}
     rows: dict[str, BlockMemory] = {}
-    seen: dict[int, int] = {}
+    # the model's parameters and buffers (a rotary table passed to every block) are not the
+    # step's: they count nowhere
+    seen = {} if model is None else _storages([*model.parameters(), *model.buffers()])
     for held in list(_live.values()):
         block = held.block()
         if block is None or (modules is not None and id(block) not in modules):
@@ -220,7 +224,7 @@ def memory_report(
         if row is None:
             row = rows[held.name] = BlockMemory(held.name)
         row.calls += 1
-        row.inputs += _new(held.inputs, seen)
+        row.inputs += unseen_bytes(held.inputs, seen)
         store = held.store() if held.store is not None else None
         if store is not None:
             kept, offloaded = _store_bytes(store, seen)
@@ -244,7 +248,7 @@ def _store_bytes(store: Any, seen: dict[int, int]) -> tuple[int, int]:
         for entry in entries.values():
             if not isinstance(entry, KeptResult):  # handed to the recompute
                 continue
-            n = _new(_storages(entry.tensors), seen)
+            n = unseen_bytes(_storages(entry.tensors), seen)
             if id(entry) in moved:
                 offloaded += n
             else:
@@ -281,7 +285,7 @@ def saved_outside(outputs: Any, seen: dict[int, int] | None = None) -> tuple[dic
             if isinstance(value, torch.Tensor):
                 if value.is_leaf and value.requires_grad:  # a parameter: the model's
                     continue
-                n = _new(_storages([value]), seen)
+                n = unseen_bytes(_storages([value]), seen)
                 if n:
                     by_node[name] = by_node.get(name, 0) + n
             elif type(value).__name__ != "_Holder":  # a checkpoint's: recomputed, not held
@@ -289,7 +293,7 @@ def saved_outside(outputs: Any, seen: dict[int, int] | None = None) -> tuple[dic
     return by_node, packed
 
 
-def _new(storages: dict[int, int], seen: dict[int, int]) -> int:
+def unseen_bytes(storages: dict[int, int], seen: dict[int, int]) -> int:
     """The bytes of ``storages`` not in ``seen``, which then holds them: each storage counts
     once in a report (a block's input is often the block before's kept output)."""
     total = 0

@@ -37,7 +37,6 @@ __all__ = [
     "Call",
     "Plan",
     "Simulation",
-    "agree",
     "exhaustive",
     "plan",
     "simulate",
@@ -596,47 +595,6 @@ def exhaustive(
         if sim.peak <= budget and sim.host_bytes <= cap and (best is None or sim.cost < best.cost):
             best = sim
     return best
-
-
-def agree(blocks: list[BlockProfile]) -> list[BlockProfile]:
-    """The same profile on every rank: each call's bytes and seconds, and each block's input and
-    saved bytes, become their maximum over the ranks (one all-reduce), so every rank plans
-    alike. Without torch.distributed, as is."""
-    flat = [c for b in blocks for c in b.calls]
-    saved = [-1.0 if b.saved_bytes is None else float(b.saved_bytes) for b in blocks]
-    inputs = [float(b.input_bytes) for b in blocks]
-    values = most_over_ranks(
-        [float(c.bytes) for c in flat] + [c.seconds for c in flat] + saved + inputs
-    )
-    if values is None:
-        return blocks
-    n, m = len(flat), len(blocks)
-    it = iter(range(n))
-    agreed = []
-    for i, b in enumerate(blocks):
-        calls = []
-        for c in b.calls:
-            k = next(it)
-            calls.append(Call(c.op, c.index, int(values[k]), values[n + k], c.kind))
-        most = values[2 * n + i]  # -1 on every rank: measured on none
-        saved_bytes = None if most < 0 else int(most)
-        agreed.append(BlockProfile(b.name, tuple(calls), int(values[2 * n + m + i]), saved_bytes))
-    return agreed
-
-
-def most_over_ranks(values: list[float]) -> list[float] | None:
-    """Each value's maximum over the ranks (one all-reduce); None without torch.distributed or
-    on one rank."""
-    import torch
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return None
-    tensor = torch.tensor(values, dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        tensor = tensor.cuda()
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.cpu().tolist()
 
 
 _UNITS = {

@@ -96,7 +96,7 @@ def _stub_measure(monkeypatch, ratio):
     """Each plan's 'measured' peak: its prediction times ratio (the calibration's logic alone)."""
     measured = []
 
-    def measure(model, profile, plans):
+    def measure(model, profile, plans, group=None):
         measured.append(int(next(iter(plans.values())).peak.simulation.peak * ratio))
         return measured[-1]
 

@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).parents[1] / "prime_ac"
 # Each module may import only modules of a lower layer (the entry points sit on top).
 LAYERS = [
     {"_compat", "models", "tables", "planner", "offload"},
-    {"targets", "actions", "store"},
+    {"targets", "actions", "store", "ranks"},
     {"scopes"},
     {"policy"},
     {"config", "offload_targets"},

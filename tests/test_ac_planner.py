@@ -1,4 +1,5 @@
-"""The peak-memory planner (prime_ac.planner): simulator, greedy, exhaustive search, ranks."""
+"""The peak-memory planner (prime_ac.planner): simulator, greedy, exhaustive search (ranks:
+tests/test_ac_ranks.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from prime_ac.planner import (
     REPLAY,
     BlockProfile,
     Call,
-    agree,
     exhaustive,
     parse_bytes,
     plan,
@@ -189,29 +189,6 @@ def test_parse_bytes_forms_and_errors():
     for bad in ("24 parsecs", "GiB", "-1GiB", "nanGB", 1.5, True, -3):
         with pytest.raises(ValueError, match=r"budget=.*'24GiB'"):
             parse_bytes(bad)
-
-
-def test_agree_without_distributed_is_identity():
-    blocks = random_blocks(random.Random(0), 2, 2)
-    assert agree(blocks) is blocks
-
-
-def _agree_body(rank, world_size):
-    mm = Call("aten::mm", 0, 100 * (rank + 1), 0.1 * (rank + 1))
-    blocks = [BlockProfile("a", (mm,), 5 * (rank + 1), 60 * (rank + 1)), BlockProfile("b", (mm,))]
-    agreed = agree(blocks)
-    assert agreed[0].calls[0].bytes == 200 and agreed[0].calls[0].seconds == pytest.approx(0.2)
-    assert agreed[0].saved_bytes == 120 and agreed[1].saved_bytes is None
-    assert agreed[0].input_bytes == 10 and agreed[1].input_bytes == 0
-    agreed = agreed[:1]
-    p = plan(agreed, 250)
-    assert p.decisions == [[KEEP]]
-
-
-def test_ranks_agree_on_one_profile():
-    from tests.dist_utils import run_distributed
-
-    run_distributed(_agree_body, 2)
 
 
 def test_the_docs_table_is_the_qwen3_8b_benchmarks_output(capsys):
