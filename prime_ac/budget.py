@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from prime_ac import planner
+from prime_ac import planner, ranks
 from prime_ac._compat import returns_alias, schema_is_mutable
 from prime_ac.audit import _grads_preserved, audit, op_name
 from prime_ac.contexts import checkpoint_contexts, with_recipe
@@ -366,26 +366,36 @@ def _named_budget_context_fn(
 
 
 def plan_budget(
-    model: nn.Module, profile: Callable[[nn.Module], torch.Tensor], budget: Any
+    model: nn.Module,
+    profile: Callable[[nn.Module], torch.Tensor],
+    budget: Any,
+    group: Any = None,
 ) -> dict[str, BlockPlan]:
-    """Profile one step of the full-mode-wrapped ``model`` and plan each checkpointed block.
+    """Profile one step of the full-mode-wrapped ``model`` and plan each checkpointed block,
+    together with the ranks of ``group`` (:mod:`prime_ac.ranks`).
 
     Returns ``{block name: plan}``; the model is left as it was (the caller applies the plans).
     """
+    group = ranks.resolve(group)
     device = next((p.device for p in model.parameters()), None)
     # a peak budget on CUDA: each call's replay time as measured, and the host link's bandwidth
     peak = not isinstance(budget, (float, Mapping))  # bytes: an int or "24GiB"
+    kind = "peak" if peak else "fraction" if isinstance(budget, float) else "per-block"
     timer = None
-    if peak and device is not None and device.type == "cuda":
-        timer = CallTimer(wrapped_blocks(model))
-    with timer or contextlib.nullcontext():
-        report = audit(model, profile)
+    with ranks.failures_reported(group):
+        if peak and device is not None and device.type == "cuda":
+            timer = CallTimer(wrapped_blocks(model))
+        with timer or contextlib.nullcontext():
+            report = audit(model, profile)
+        link = copy_bandwidth(device) if peak else None
+    limit = planner.parse_bytes(budget) if peak else 0
     calls = {name: report.calls.get(name, []) for name in report.blocks}
+    structure = [(name, [op_name(c.op) for c in calls[name]]) for name in report.blocks]
+    limit, link = ranks.check(group, kind, structure, limit, link)
     no_ac = report.block_held_bytes_no_ac
     if peak:
         measured = timer.seconds() if timer is not None else {}
-        link = copy_bandwidth(device)
-        return _calibrated(model, profile, report, planner.parse_bytes(budget), measured, link)
+        return _calibrated(model, profile, report, limit, measured, link, group)
     if isinstance(budget, float):
         held = {
             name: sum(c.bytes for c in calls[name] if c.decision == "mandatory")
@@ -407,9 +417,10 @@ FLOP_RATE = 1e12
 
 
 def profiles(
-    report: Any, seconds: Mapping[tuple, float] | None = None
+    report: Any, seconds: Mapping[tuple, float] | None = None, group: Any = None
 ) -> list[planner.BlockProfile]:
-    """The audit's profiled calls as the peak planner's blocks (ranks agreeing on one).
+    """The audit's profiled calls as the peak planner's blocks, agreed with the ranks of
+    ``group`` (resolved: :func:`prime_ac.ranks.agree`).
 
     A call's replay time is ``seconds[(block, op, index)]`` where it was measured
     (:class:`prime_ac.measure.CallTimer`, on CUDA), else its FLOPs at ``FLOP_RATE``.
@@ -443,7 +454,7 @@ def profiles(
             calls.append(planner.Call(op_name(c.op), c.index, size, time, kind))
         saved = report.block_held_bytes_no_ac.get(name)
         blocks.append(planner.BlockProfile(name, tuple(calls), base, saved))
-    return planner.agree(blocks)
+    return ranks.agree(blocks, group)
 
 
 def plan_peak(
@@ -452,12 +463,14 @@ def plan_peak(
     host_cap: int | None = None,
     seconds: Mapping[tuple, float] | None = None,
     bandwidth: float | None = None,
+    group: Any = None,
 ) -> dict[str, BlockPlan]:
     """Plans for every block of ``report`` meeting a peak of ``budget`` bytes (keep / offload /
     replay per call), sharing one offloader. ``seconds`` are measured replay times (see
-    :func:`profiles`); ``bandwidth`` the measured copy bandwidth (None: the stated default)."""
+    :func:`profiles`); ``bandwidth`` the measured copy bandwidth (None: the stated default);
+    ``group`` the (resolved) ranks planning together."""
     link = {} if bandwidth is None else {"bandwidth": bandwidth}
-    peak = planner.plan(profiles(report, seconds), budget, host_cap=host_cap, **link)
+    peak = planner.plan(profiles(report, seconds, group), budget, host_cap=host_cap, **link)
     offloader = (
         Offloader(peak.simulation.host_bytes, host_cap=host_cap)
         if peak.simulation.host_bytes
@@ -515,6 +528,7 @@ def _calibrated(
     budget: int,
     seconds: Mapping[tuple, float] | None = None,
     bandwidth: float | None = None,
+    group: Any = None,
 ) -> dict:
     """Plan for a peak of ``budget``, run one step with the plan and measure what it held
     (:func:`prime_ac.measure.measure_peak`), and correct the simulator once by its error
@@ -523,19 +537,25 @@ def _calibrated(
     ``CALIBRATION_SLACK`` of the budget is replaced by one planned for the budget plus the
     difference, if that one's measured peak stays within the budget. Each plan records what it
     measured (``Plan.measured``, the first as ``tightened_from``); one that could not be brought
-    within the budget logs a warning."""
-    plans = plan_peak(report, budget, seconds=seconds, bandwidth=bandwidth)
+    within the budget logs a warning.
+
+    With the (resolved) ``group``, every input to a decision here is agreed over its ranks
+    (the profile, the budget, the bandwidth, each measured peak), so every rank takes the same
+    branches and runs the same collectives."""
+    plans = plan_peak(report, budget, seconds=seconds, bandwidth=bandwidth, group=group)
     peak = next(iter(plans.values())).peak if plans else None
     if peak is None:
         return plans
-    peak.measured = _measure(model, profile, plans)
+    peak.measured = _measure(model, profile, plans, group)
     error = peak.measured - peak.simulation.peak
     over = peak.measured > budget
     if (over and peak.fits) or -error > CALIBRATION_SLACK * budget:
-        again = plan_peak(report, max(budget - error, 0), seconds=seconds, bandwidth=bandwidth)
+        again = plan_peak(
+            report, max(budget - error, 0), seconds=seconds, bandwidth=bandwidth, group=group
+        )
         second = next(iter(again.values())).peak
         if second.decisions != peak.decisions:
-            second.measured = _measure(model, profile, again)
+            second.measured = _measure(model, profile, again, group)
             if over or second.measured <= budget:
                 second.budget, second.planned_for = budget, second.budget
                 second.tightened_from = peak
@@ -553,9 +573,12 @@ def _calibrated(
     return plans
 
 
-def _measure(model: nn.Module, profile: Callable, plans: dict[str, BlockPlan]) -> int:
-    """The peak of one step of ``model`` with ``plans`` applied (the most over the ranks), the
-    model left as it was."""
+def _measure(
+    model: nn.Module, profile: Callable, plans: dict[str, BlockPlan], group: Any = None
+) -> int:
+    """The peak of one step of ``model`` with ``plans`` applied (the most over the ranks of the
+    resolved ``group``; a rank whose step raises makes them all raise), the model left as it
+    was."""
     states = {}
     for name, p in plans.items():
         block = model.get_submodule(name)
@@ -568,10 +591,9 @@ def _measure(model: nn.Module, profile: Callable, plans: dict[str, BlockPlan]) -
         offloader = next((p.offloader for p in plans.values() if p.offloader is not None), None)
         host = (lambda: offloader.ledger.host) if offloader is not None else (lambda: 0)
         # the step's gradients go; those the model held (accumulated micro-batches) come back
-        with _grads_preserved(model):
+        with ranks.failures_reported(group, ranks.most), _grads_preserved(model):
             measured = measure_peak(model, profile, host)
-        most = planner.most_over_ranks([float(measured)])  # every rank calibrates alike
-        return measured if most is None else int(most[0])
+        return ranks.most(group, measured)  # every rank calibrates alike
     finally:
         for name, state in states.items():
             wrap_block(model.get_submodule(name), state)
