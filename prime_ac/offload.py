@@ -375,25 +375,41 @@ class _Kept:
 
 
 class _Copy:
-    """What the offload owns for one saved tensor: its host buffer (back to the pool when the
-    graph releases the tensor) and, on CUDA, the device tensor until the outbound copy is done."""
+    """What the offload owns for one saved storage (every saved tensor of one forward that views
+    it shares it): its host buffer (back to the pool when the graph has released each of those
+    tensors), on CUDA the device storage's bytes until the outbound copy is done, and the
+    storage brought back, shared by the tensors unpacked from it until each was unpacked."""
 
-    __slots__ = ("buffer", "device", "event", "key", "nbytes")
+    __slots__ = (
+        "back",
+        "buffer",
+        "device",
+        "event",
+        "key",
+        "nbytes",
+        "restored",
+        "unpacked",
+        "users",
+    )
 
     def __init__(self, buffer: torch.Tensor, key: tuple, nbytes: int):
         self.buffer, self.key, self.nbytes = buffer, key, nbytes
         self.device: torch.Tensor | None = None
         self.event: Any = None
+        self.back: tuple[torch.Tensor, Any] | None = None  # CUDA: an inbound copy under way
+        self.restored: torch.Tensor | None = None  # the storage brought back (its bytes)
+        self.unpacked = 0  # records unpacked from ``restored``
+        self.users = 0  # records the graph still holds
 
 
 class _Saved:
-    """What autograd's graph holds in place of one offloaded saved tensor. Dropped by the graph
-    (after the backward that reads it, or when the graph is freed), it hands its host buffer
-    back (``weakref.finalize``)."""
+    """What autograd's graph holds in place of one offloaded saved tensor: its storage's copy
+    and its place in that storage (``host`` is the tensor rebuilt on the host buffer). Dropped
+    by the graph (after the backward that reads it, or when the graph is freed), it lets go of
+    the copy (``weakref.finalize``)."""
 
     __slots__ = (
         "__weakref__",
-        "back",
         "copy",
         "host",
         "previous",
@@ -405,11 +421,38 @@ class _Saved:
 
     def __init__(self, copy: _Copy, host: torch.Tensor, where: torch.device):
         self.copy, self.host, self.where = copy, host, where
-        self.back: tuple[torch.Tensor, Any] | None = None  # CUDA: an inbound copy under way
         self.previous: weakref.ref | None = None  # the record saved before it, same entry
         self.source: weakref.ref | None = None  # the tensor saved (the same one saved again)
         self.version = 0
         self.witness: torch.Tensor | None = None
+
+    @property
+    def back(self) -> tuple[torch.Tensor, Any] | None:
+        """The inbound copy of its storage under way (CUDA), if any."""
+        return self.copy.back
+
+
+def _placed(like: torch.Tensor, storage: torch.UntypedStorage) -> torch.Tensor:
+    """``like``'s dtype, place (offset), shape and strides on ``storage``: a saved view rebuilt
+    on the copy of its base's storage."""
+    t = torch.empty(0, dtype=like.dtype, device=storage.device)
+    return t.set_(storage, like.storage_offset(), like.shape, like.stride())
+
+
+def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A flat uint8 tensor over all of ``storage``."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _of_parameter(t: torch.Tensor) -> bool:
+    """A parameter or buffer, or a view of one (``weight.t()``): the model's memory, not an
+    activation; moving it would free nothing."""
+    buffer = getattr(torch.nn, "Buffer", None)
+    return any(
+        isinstance(x, torch.nn.Parameter) or (buffer is not None and isinstance(x, buffer))
+        for x in (t, t._base)
+        if x is not None
+    )
 
 
 def _witness(t: torch.Tensor) -> torch.Tensor:
@@ -458,8 +501,11 @@ class SavedInputOffload:
     that owns its storage is copied to the host as it is saved (CUDA: on a side stream into a
     pinned buffer, the device tensor held until its copy is done, at most ``max_inflight``
     copies in flight); backward brings it back, and starts bringing back the tensor saved
-    before it in the same forward, which backward needs next. Parameters, views, tensor
-    subclasses and tensors with fewer than ``min_bytes`` are left where they are.
+    before it in the same forward, which backward needs next. A saved view moves through its
+    base's storage: one host copy per storage, however many of its views are saved, each view
+    rebuilt on the storage brought back. Parameters and buffers (and their views), tensor
+    subclasses and storages with fewer than ``min_bytes`` are left where they are;
+    :attr:`left_bytes` counts the bytes of the storages the latest forward left.
 
     A host buffer belongs to the graph that saved into it until autograd drops the saved
     tensor (after the backward that reads it, or when the graph is freed); then it goes back
@@ -505,6 +551,10 @@ class SavedInputOffload:
         self._streams: dict[torch.device, Any] = {}
         self._inflight: deque[_Copy] = deque()  # CUDA: outbound copies holding a device tensor
         self._entry: list[weakref.ref] = []  # the latest entry's records, in save order
+        # this forward's copies by storage (data_ptr -> copy, a tensor on it, its witness, version)
+        self._storages: dict[int, tuple[_Copy, weakref.ref, torch.Tensor, int]] = {}
+        self._left: set[int] = set()  # storages this forward left in place
+        self.left_bytes = 0  # their bytes (parameters and buffers aside)
         self._hooks: Any = None
         self._warned = False
         self._unmoved: set[str] = set()  # device types whose saved tensors cannot move (logged)
@@ -516,6 +566,7 @@ class SavedInputOffload:
                 "(not nested in itself)"
             )
         self._entry = []
+        self._storages, self._left, self.left_bytes = {}, set(), 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
@@ -528,21 +579,36 @@ class SavedInputOffload:
                 "`with offload: loss = model(batch)` (enter, then exit, once per forward)"
             )
         hooks.__exit__(*exc)
+        self._storages, self._left = {}, set()  # storages are shared within one forward
         self._poll()
 
     # --- forward ------------------------------------------------------------------------------
 
     def _moves(self, t: torch.Tensor) -> bool:
-        buffer = getattr(torch.nn, "Buffer", None)
+        """Whether ``t``'s storage goes to the host: a plain strided tensor (views included,
+        through their base's storage) on CPU or CUDA, not a parameter or buffer nor a view of
+        one, whose storage has at least ``min_bytes``."""
         return (
             type(t) is torch.Tensor  # not Parameter, nn.Buffer, DTensor, FakeTensor, ...
-            and (buffer is None or not isinstance(t, buffer))
+            and not _of_parameter(t)
             and t.layout == torch.strided
             and not t.is_nested
-            and t._base is None
-            and _offloadable(t.detach())
+            and t.device.type in ("cpu", "cuda")
             and t.untyped_storage().nbytes() >= self.min_bytes
         )
+
+    def _note_left(self, t: torch.Tensor) -> None:
+        """Count the bytes of a storage this forward leaves on the device (parameters and
+        buffers, the model's own memory, aside)."""
+        if t.layout != torch.strided or t.is_nested or _of_parameter(t):
+            return
+        try:
+            storage = t.untyped_storage()
+        except (NotImplementedError, RuntimeError):  # a tensor subclass without a storage
+            return
+        if storage.data_ptr() not in self._left:
+            self._left.add(storage.data_ptr())
+            self.left_bytes += storage.nbytes()
 
     def _pack(self, t: torch.Tensor) -> Any:
         if not self._moves(t):
@@ -554,6 +620,7 @@ class SavedInputOffload:
                     "nothing on this device). Logged once per device type.",
                     t.device.type,
                 )
+            self._note_left(t)
             return _Kept(t)
         last = self._entry[-1]() if self._entry else None
         if (  # the same tensor saved again at once (x * x): one host copy serves both
@@ -563,37 +630,69 @@ class SavedInputOffload:
             and last.version == t._version
         ):
             return last
-        detached = t.detach()
-        nbytes = t.untyped_storage().nbytes()
+        copy = self._shared(t) or self._copy_out(t)
+        host = _placed(t, copy.buffer.untyped_storage())  # the saved view, on the host copy
+        record = _Saved(copy, host, t.device)
+        record.version, record.witness = t._version, _witness(t)
+        record.source = weakref.ref(t)
+        record.previous = self._entry[-1] if self._entry else None
+        with self._lock:
+            copy.users += 1
+        weakref.finalize(record, self._release, copy).atexit = False
+        self._entry.append(weakref.ref(record))
+        return record
+
+    def _shared(self, t: torch.Tensor) -> _Copy | None:
+        """The copy this forward already made of ``t``'s storage (another view of it was
+        saved), if the storage was not written since: one host copy per storage. "Written" is
+        what the version counter says, which autograd itself relies on: a write it cannot see
+        (through ``.data`` or a raw pointer) between the two saves is not seen here either."""
+        storage = t.untyped_storage()
+        found = self._storages.get(storage.data_ptr())
+        if found is None:
+            return None
+        copy, source, witness, version = found
+        alive = source()
+        if (
+            copy.buffer is None  # the graph released it already
+            or alive is None  # the memory may have been freed and handed out again
+            or alive.untyped_storage().data_ptr() != storage.data_ptr()
+            or alive.untyped_storage().nbytes() != storage.nbytes()
+            or witness._version != version  # written since: the copy holds older values
+            or t._version != version
+        ):
+            return None
+        return copy
+
+    def _copy_out(self, t: torch.Tensor) -> _Copy:
+        """Copy all of ``t``'s storage to a host buffer (CUDA: on the side stream, the device
+        storage held until the copy has read it)."""
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
         cuda = self._streamed(t.device)
         pinned = cuda and self.pin_memory
         key = (nbytes, pinned, t.device if cuda else None)
         copy = _Copy(self._host_buffer(key), key, nbytes)
-        host = copy.buffer.view(t.dtype).as_strided(t.shape, t.stride())  # the saved layout
+        flat = _bytes(storage)
         if cuda:
             # at most max_inflight copies in flight, this one included: wait for the oldest
             self._poll(None if self.max_inflight is None else self.max_inflight - 1)
             stream = self._side(t.device)
             stream.wait_stream(torch.cuda.current_stream(t.device))
             with torch.cuda.stream(stream):
-                host.copy_(detached, non_blocking=True)
+                copy.buffer.copy_(flat, non_blocking=True)
                 copy.event = torch.cuda.Event()
                 copy.event.record(stream)
-            copy.device = detached  # held until the copy has read it
-        else:  # the "host" copy: a separate CPU tensor, made now
-            host.copy_(detached)
-        record = _Saved(copy, host, t.device)
-        record.version, record.witness = t._version, _witness(t)
-        record.source = weakref.ref(t)
-        record.previous = self._entry[-1] if self._entry else None
-        weakref.finalize(record, self._release, copy).atexit = False
-        self._entry.append(weakref.ref(record))
+            copy.device = flat  # held until the copy has read it
+        else:  # the "host" copy: a separate CPU buffer, made now
+            copy.buffer.copy_(flat)
+        self._storages[storage.data_ptr()] = (copy, weakref.ref(t), _witness(t), t._version)
         with self._lock:
             self.ledger.offloaded += 1
             self.ledger.add(host=nbytes, device=nbytes if cuda else 0)
             if cuda:
                 self._inflight.append(copy)
-        return record
+        return copy
 
     def _host_buffer(self, key: tuple) -> torch.Tensor:
         nbytes, pinned, _ = key
@@ -651,8 +750,14 @@ class SavedInputOffload:
                 self.ledger.add(device=-copy.nbytes)
 
     def _release(self, copy: _Copy) -> None:
-        """The graph dropped the record: its host buffer goes back to the pool."""
+        """The graph dropped a record: once it dropped every record of the copy, the host
+        buffer goes back to the pool."""
         with self._lock:
+            copy.users -= 1
+            if copy.unpacked >= copy.users:  # no record left to read the storage brought back
+                copy.restored, copy.unpacked = None, 0
+            if copy.users > 0:
+                return
             self.ledger.add(host=-copy.nbytes)
             self._pool.setdefault(copy.key, []).append(copy.buffer)
             self._pooled += copy.nbytes
@@ -677,34 +782,45 @@ class SavedInputOffload:
         return value
 
     def _bring(self, record: _Saved) -> torch.Tensor:
-        if not self._streamed(record.where):
-            return record.host.clone()  # a tensor of its own: the buffer outlives no graph
-        device = record.copy.device
-        if device is not None:  # still held (its copy in flight): the same values
-            return device
-        self._poll()
-        self._start_back(record)
-        (device, event), record.back = record.back, None  # one tensor per unpack
-        torch.cuda.current_stream(record.where).wait_event(event)
-        return device
+        """The saved tensor on its device: rebuilt on its storage brought back, which the
+        tensors saved from the same storage share (they alias as in the forward), held here
+        until each of them was unpacked."""
+        copy = record.copy
+        if copy.device is not None:  # still held (its copy in flight): the same values
+            return _placed(record.host, copy.device.untyped_storage())
+        with self._lock:
+            if copy.restored is None:
+                if not self._streamed(record.where):
+                    copy.restored = copy.buffer.clone()  # its own: the buffer outlives no graph
+                else:
+                    self._poll()
+                    self._start_back(record)
+                    (copy.restored, event), copy.back = copy.back, None
+                    torch.cuda.current_stream(record.where).wait_event(event)
+            value = _placed(record.host, copy.restored.untyped_storage())
+            copy.unpacked += 1
+            if copy.unpacked >= copy.users:  # each record has it: the graph holds it from now on
+                copy.restored, copy.unpacked = None, 0
+        return value
 
     def _start_back(self, record: _Saved) -> None:
+        copy, where = record.copy, record.where
         if (
-            not self._streamed(record.where)
-            or record.back is not None
-            or record.copy.device is not None
+            not self._streamed(where)
+            or copy.back is not None
+            or copy.device is not None
+            or copy.restored is not None
         ):
             return
-        host, where = record.host, record.where
-        device = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=where)
+        device = torch.empty(copy.nbytes, dtype=torch.uint8, device=where)
         stream = self._side(where)
         stream.wait_stream(torch.cuda.current_stream(where))
         with torch.cuda.stream(stream):
-            device.copy_(host, non_blocking=True)
+            device.copy_(copy.buffer, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
         device.record_stream(stream)  # freed before its copy is done: not reused under it
-        record.back = (device, event)
+        copy.back = (device, event)
 
     @staticmethod
     def _streamed(device: torch.device) -> bool:
