@@ -23,6 +23,9 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 __all__ = [
+    "COMPILED_OFFLOAD",
+    "CachedSACMode",
+    "CachingSACMode",
     "FSDP_ALL_GATHER_COPY_IN",
     "SAC_IGNORED_OPS",
     "DispatchMode",
@@ -35,7 +38,10 @@ __all__ = [
     "is_composite_implicit",
     "is_traceable_wrapper_subclass",
     "is_tracing",
+    "enable_compiled_offload",
     "own_code_getter",
+    "proxy_mode",
+    "recompile_limit",
     "operator_parts",
     "redirect_hops",
     "sac_context",
@@ -122,9 +128,14 @@ SAC_IGNORED_OPS: frozenset = frozenset(
     getattr(_checkpoint, "SAC_IGNORED_OPS", {torch.ops.aten.detach.default})
 )
 
-# torch's own SAC mode classes. prime_ac never subclasses or instantiates them: it only asks which
-# higher-order operators have a rule registered for them, to register the same redirect for its
-# own modes (the dispatcher looks rules up by exact mode type). Same names 2.4-2.14.
+# torch's own SAC mode classes. prime_ac asks which higher-order operators have a rule registered
+# for them, to register the same redirect for its own modes (the dispatcher looks rules up by
+# exact mode type); compiled regions (prime_ac.compiled) run them, the forward one subclassed to
+# mark offloaded nodes. Same names and constructor arguments (policy_fn, storage[, allow
+# mutation]) 2.4-2.14. Public replacement: create_selective_checkpoint_contexts, which makes
+# the pair but takes no subclass.
+CachingSACMode = _checkpoint._CachingTorchDispatchMode
+CachedSACMode = _checkpoint._CachedTorchDispatchMode
 _TORCH_SAC_MODES = tuple(
     cls
     for cls in (
@@ -365,3 +376,56 @@ def attach_oom_observer(observer: Callable[..., None]) -> bool:
         return False
     attach(observer)
     return True
+
+
+def proxy_mode() -> Any:
+    """The proxy mode tracing now (make_fx, AOTAutograd), or None: whose graph a compiled
+    region's nodes go into. torch.fx.experimental.proxy_tensor.get_proxy_mode (2.3-2.14).
+    Public replacement: none."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    return get_proxy_mode()
+
+
+def _has_compiled_offload() -> bool:
+    import importlib.util
+
+    import torch._functorch.config as functorch_config
+
+    try:
+        found = importlib.util.find_spec("torch._functorch._activation_offloading") is not None
+    except ImportError:
+        return False
+    return found and hasattr(functorch_config, "enable_activation_offloading")
+
+
+# torch's compile-side activation offload (2.13-2.14): a pass after the partitioner that moves
+# saved values marked meta["should_offload"] to pinned host memory (ao::offload / ao::reload /
+# ao::wait_tensor on a side stream), enabled by torch._functorch.config flags. Absent in 2.9.
+# Public replacement: none (pytorch#185015 would lower MUST_CPU_OFFLOAD by itself).
+COMPILED_OFFLOAD: bool = _has_compiled_offload()
+
+
+def enable_compiled_offload() -> None:
+    """Turn torch's compile-side offload on, with its side stream, sunk waits and prefetched
+    reloads, and its pinned-buffer pool (entered once, for the process): the flags act only on
+    nodes marked ``should_offload``, which only prime_ac marks. A flag the user set stays."""
+    import torch._functorch.config as config
+
+    if not config.enable_activation_offloading:
+        config.enable_activation_offloading = True
+        config.activation_offload_separate_stream = True
+        config.activation_offload_sink_wait = True
+        config.activation_reload_prefetch = True
+    from torch._functorch._activation_offloading import offload_ops
+
+    # what entering offload_ops.pinned_memory_pool() sets, for the process (a context left open
+    # would be closed at interpreter exit, after its module is torn down)
+    if hasattr(offload_ops, "_pool_enabled"):
+        offload_ops._pool_enabled = True
+
+
+def recompile_limit() -> int | None:
+    """dynamo's graphs per code object (``recompile_limit``; ``cache_size_limit`` before 2.6)."""
+    config = torch._dynamo.config
+    return getattr(config, "recompile_limit", getattr(config, "cache_size_limit", None))

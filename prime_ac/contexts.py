@@ -3,8 +3,9 @@
 In eager mode a region runs its forward and its recompute under prime_ac's two dispatch modes
 (:mod:`prime_ac.modes`), which share one store of kept results (:mod:`prime_ac.store`). Under
 ``torch.compile`` the checkpoint is traced once and the partitioner reads each node's policy tag;
-there the contexts are torch's own ``create_selective_checkpoint_contexts`` with the same policy,
-so compiled and eager decisions are the same and nothing runs per operator.
+there the contexts are torch's own selective-checkpoint modes tagging what the eager modes
+decide (:mod:`prime_ac.compiled`), so compiled and eager decisions are the same and nothing runs
+per operator.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from prime_ac import _compat
+from prime_ac.compiled import compiled_plan, plan_contexts
 from prime_ac.modes import KeepMode, ReplayMode, Rules
 from prime_ac.policy import MODES, Mode, OperatorPolicy, make_policy, target_list
 from prime_ac.scopes import parse_target
@@ -36,15 +38,7 @@ __all__ = [
     "with_recipe",
 ]
 
-_PREFER_RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
 logger = logging.getLogger("prime_ac")
-
-
-def _must_recompute(policy: OperatorPolicy, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    # Eager replays every operator it does not keep; MUST_RECOMPUTE makes the partitioner do the
-    # same (with PREFER_RECOMPUTE, torch's min-cut partitioner saves some instead).
-    decision = policy(ctx, op, *args, **kwargs)
-    return CheckpointPolicy.MUST_RECOMPUTE if decision is _PREFER_RECOMPUTE else decision
 
 
 def region_contexts(rules: Rules, name: str) -> tuple[Any, Any]:
@@ -53,8 +47,8 @@ def region_contexts(rules: Rules, name: str) -> tuple[Any, Any]:
         if rules.plan:
             raise _plan_under_compile(name)
         policy = rules.policy
-        if isinstance(policy, OperatorPolicy):
-            policy = functools.partial(_must_recompute, policy)
+        if isinstance(policy, OperatorPolicy):  # tags as eager decides: prime_ac.compiled
+            return plan_contexts(compiled_plan(policy, owner=name).compile_handle)
         return create_selective_checkpoint_contexts(policy)
     store = RegionStore(name)
     watched = rules.watch is not None and rules.watch.measures(rules.block)
@@ -64,10 +58,11 @@ def region_contexts(rules: Rules, name: str) -> tuple[Any, Any]:
 
 def _plan_under_compile(name: str) -> RuntimeError:
     return RuntimeError(
-        f"prime_ac: {name} keeps the calls of a budget plan, which are counted in an eager "
-        "forward; torch.compile traces other calls and would ignore the plan. Run this region "
-        "eagerly, or compile it with explicit targets (and "
-        "torch._functorch.config.activation_memory_budget)."
+        f"prime_ac: {name} keeps the calls of a budget plan through a context_fn made for eager "
+        "regions, which torch.compile guards by its code alone (regions with other plans would "
+        "share its graph). Blocks of checkpoint_blocks(targets='auto') compile with their plan; "
+        "for a region of your own, pass prime_ac.compiled.compiled_plan_context_fn(plan) under "
+        "compile, or run this region eagerly."
     )
 
 

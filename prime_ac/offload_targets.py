@@ -8,8 +8,9 @@ dropping would not free, or must be written again): they stay as the mode decide
 and tensors that need grad stay on the device (the offloader refuses them). Mandatory, random
 and collective operators may be named: they stay kept either way, never replayed.
 
-Offload works in eager regions; under ``torch.compile`` torch's partitioner saves the named
-results on the device.
+Compiled blocks tag the same calls ``MUST_CPU_OFFLOAD`` and torch's compile-side offload moves
+them (:mod:`prime_ac.compiled`; torch 2.13+, a clear error on older torch); on the CPU they stay
+where they are, with a warning.
 """
 
 from __future__ import annotations

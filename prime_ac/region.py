@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint
 
 from prime_ac import diagnostics
+from prime_ac.compiled import compiled_plan_context_fn
 from prime_ac.contexts import compiled_block_context_fn
 
 __all__ = ["cache_positions", "run_region"]
@@ -32,13 +33,6 @@ def run_region(
 ) -> Any:
     """Run ``forward`` (the block's own) under checkpoint with the settings of ``state``, a
     :class:`prime_ac.wrapping.BlockCheckpoint` whose block is checkpointed."""
-    if state.plan is not None and torch.compiler.is_compiling():
-        raise RuntimeError(
-            f'prime_ac: {state.name} uses a targets="auto" plan, which is keyed on the '
-            "operator calls of an eager forward and is not guarded by torch.compile (blocks "
-            "sharing code would share one plan). Run these blocks eagerly, or compile with "
-            "explicit targets (and torch._functorch.config.activation_memory_budget)."
-        )
     options = {}
     if state.early_stop is not None:
         options["early_stop"] = state.early_stop
@@ -61,7 +55,11 @@ def run_region(
         )
     args, kwargs, copies = _without_cache(state, args, kwargs)
     if torch.compiler.is_compiling():  # compiled code applies buffer writes once anyway
-        region, context_fn = _call, compiled_block_context_fn(state.policy)
+        region = _call
+        if state.compiled is not None:  # a plan: tagged per call, guarded per distinct plan
+            context_fn = compiled_plan_context_fn(state.compiled)
+        else:
+            context_fn = compiled_block_context_fn(state.policy)
     else:
         region = _Region(block, copies, state.name)
         context_fn = region.context_fn(state.context_fn)

@@ -27,6 +27,7 @@ from typing import Any
 
 from torch import nn
 
+from prime_ac.compiled import compiled_plan
 from prime_ac.contexts import block_context_fn, portable
 from prime_ac.policy import OperatorPolicy
 from prime_ac.region import cache_positions, run_region
@@ -73,6 +74,9 @@ class BlockCheckpoint:
     # is checkpointed): its first step held at least what no AC holds for it
     watch: Any = dataclasses.field(default=None, compare=False, repr=False)
     bypassed: str = ""
+    # the plan as a compiled region applies it (prime_ac.compiled.CompiledPlan), made by
+    # wrap_block: blocks with equal plans share one, and one compiled graph
+    compiled: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # context_fn closes over the policy, and the policy caches decisions keyed by operator
@@ -82,6 +86,7 @@ class BlockCheckpoint:
         # (prime_ac.contexts.Recipe): the copy's are made from its own plan and offloader.
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         fields["watch"] = None  # a copy reports nothing of the original's first step
+        fields["compiled"] = None  # made again by wrap_block for the copy's policy
         policy = fields.pop("policy")
         if type(policy) is OperatorPolicy and self.plan is None:
             del fields["context_fn"]  # made again for the copied policy (OperatorPolicy.__reduce__)
@@ -185,7 +190,16 @@ def wrap_block(block: nn.Module, state: BlockCheckpoint) -> None:
         original = type(block)
         block.__class__ = _wrapper_class(original)
     cache_positions(original)
-    setattr(block, _STATE, dataclasses.replace(state, original_class=original))
+    compiled = None
+    if state.plan is not None and state.plan.checkpointed:
+        compiled = compiled_plan(
+            state.policy,
+            state.plan.kept,
+            state.plan.offloaded,
+            f"block {state.name!r}",
+            block=True,
+        )
+    setattr(block, _STATE, dataclasses.replace(state, original_class=original, compiled=compiled))
 
 
 def can_restore_class(block: nn.Module) -> bool:

@@ -1,0 +1,249 @@
+"""Compiled blocks: the keep / offload / replay decisions of an eager region, as graph tags.
+
+Under ``torch.compile`` a checkpointed block is traced once and torch's partitioner reads each
+node's tag (``node.meta["recompute"]``); the tags come from a selective-checkpoint policy that
+torch calls once per operator call while it traces, in the order the eager forward makes them.
+:class:`CompiledPlan` is that policy for one block configuration: the block's
+:class:`~prime_ac.policy.OperatorPolicy` (mandatory, targets, scoped targets, named offload)
+plus a plan's calls, keyed as eager keys them (operator overload, index among that overload's
+calls in the block's forward). Kept calls are tagged ``MUST_SAVE``, everything else
+``MUST_RECOMPUTE`` (eager replays it), offloaded calls ``MUST_CPU_OFFLOAD``.
+
+Guards: dynamo guards a checkpoint's ``context_fn`` by its code, so the context function holds
+the plan's ``compile_handle`` (a function with a code object of its own,
+:func:`prime_ac._compat.own_code_getter`). There is one :class:`CompiledPlan` per distinct
+content (policy, kept and offloaded calls): blocks whose plans are equal share it and one
+graph; a block with another plan fails the guard and compiles its own, so a block never runs
+another block's decisions. dynamo compiles at most ``torch._dynamo.config.recompile_limit``
+graphs per code object, and every wrapped block runs one forward: the plan that reaches the
+limit warns (:func:`_count_traced`).
+
+Offload: torch's partitioner neither saves nor offloads on ``MUST_CPU_OFFLOAD`` by itself (it
+treats the tag as no tag; torch 2.13-2.14). Its offload pass
+(``torch._functorch._activation_offloading``) moves the saved values whose node carries
+``meta["should_offload"]`` to pinned host memory after their last forward use and back before
+their first backward use (views, getitems, non-contiguous values and graph outputs excepted),
+on a side stream with prefetch when its flags say so. The forward mode here
+(:class:`_TaggingMode`) turns each offload tag into ``MUST_SAVE`` plus ``should_offload`` when
+the region's trace ends, and :func:`prime_ac._compat.enable_compiled_offload` turns torch's
+flags on (they act only on nodes marked so, which only prime_ac marks). Values on the CPU stay
+where they are (there is no host to move them to; eager offload makes a copy in the same
+memory), with a warning once. A torch without compile-side offload (2.9-2.12) raises at the
+first compiled call that would offload.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+import weakref
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+
+from prime_ac import _compat
+from prime_ac.policy import OperatorPolicy
+
+__all__ = [
+    "CompiledPlan",
+    "compiled_plan",
+    "compiled_plan_context_fn",
+    "compiled_offload_supported",
+]
+
+logger = logging.getLogger("prime_ac")
+
+_SAVE = CheckpointPolicy.MUST_SAVE
+_RECOMPUTE = CheckpointPolicy.MUST_RECOMPUTE
+_SAVES = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE, True)
+# torch 2.13+ (None before: no compile-side offload)
+_OFFLOAD = getattr(CheckpointPolicy, "MUST_CPU_OFFLOAD", None)
+
+
+def compiled_offload_supported() -> bool:
+    """Whether this torch can offload saved values of a compiled graph (2.13+)."""
+    return _OFFLOAD is not None and _compat.COMPILED_OFFLOAD
+
+
+class CompiledPlan:
+    """The decisions of one block configuration for compiled regions (see the module doc).
+
+    ``traced`` holds the last traced region's decisions, ``(operator, index, decision)`` per
+    call, decision one of ``"kept"``, ``"offloaded"``, ``"replayed"``: what the compiled graph
+    was tagged with.
+    """
+
+    def __init__(
+        self,
+        policy: Any,
+        kept: frozenset[tuple[Any, int]],
+        offloaded: frozenset[tuple[Any, int]],
+        owner: str,
+        block: bool = False,
+    ):
+        self.policy, self.kept, self.offloaded, self.owner = policy, kept, offloaded, owner
+        self.block = block
+        self.planned = {op for op, _ in kept | offloaded}
+        self.traced: tuple[tuple[Any, int, str], ...] = ()
+        self.compile_handle = _compat.own_code_getter(self)
+
+    def decide(self, op: Any, index: int, ctx: Any, args: tuple, kwargs: dict) -> str:
+        """``"kept"``, ``"offloaded"`` or ``"replayed"`` for call ``index`` of ``op``."""
+        if op in self.planned and not _compat.returns_alias(op):
+            if (op, index) in self.offloaded:
+                return "offloaded"
+            if (op, index) in self.kept:
+                return "kept"
+        policy = self.policy
+        if policy(ctx, op, *args, **kwargs) not in _SAVES:
+            return "replayed"
+        offloads = getattr(policy, "offloads", None)  # prime_ac.offload_targets.OffloadPolicy
+        return "offloaded" if offloads is not None and offloads(op) else "kept"
+
+    def tagger(self) -> Callable[..., CheckpointPolicy]:
+        """A fresh policy for one traced region: it counts each overload's calls from 0."""
+        counts: dict[Any, int] = defaultdict(int)
+        decisions: list[tuple[Any, int, str]] = []
+
+        def tag(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            index = counts[op]
+            counts[op] = index + 1
+            decision = self.decide(op, index, ctx, args, kwargs)
+            decisions.append((op, index, decision))
+            self.traced = tuple(decisions)
+            if decision == "replayed":
+                return _RECOMPUTE
+            if decision == "kept":
+                return _SAVE
+            if not compiled_offload_supported():
+                raise RuntimeError(_no_compiled_offload(self.owner, op))
+            return _OFFLOAD
+
+        return tag
+
+    def __repr__(self) -> str:
+        return f"CompiledPlan({self.owner}: {len(self.kept)} kept, {len(self.offloaded)} offloaded)"
+
+
+def _no_compiled_offload(owner: str, op: Any) -> str:
+    return (
+        f"prime_ac: {owner} offloads {op} in a compiled block, and torch {torch.__version__} "
+        "has no compile-side offload (CheckpointPolicy.MUST_CPU_OFFLOAD and "
+        "torch._functorch._activation_offloading: torch 2.13+). Nothing would reach the host. "
+        "Either run these blocks eagerly (do not compile them; offload works there), drop "
+        "offload= (or plan with a budget that needs none: a fraction or {block: bytes}), or "
+        "upgrade torch to 2.13 or later."
+    )
+
+
+# One CompiledPlan per distinct content, shared by the blocks whose decisions are equal (and so
+# their compiled graph); dropped with the last block holding it.
+_plans: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def compiled_plan(
+    policy: Any,
+    kept: Iterable[tuple[Any, int]] = (),
+    offloaded: Iterable[tuple[Any, int]] = (),
+    owner: str = "a checkpointed block",
+    block: bool = False,
+) -> CompiledPlan:
+    """The :class:`CompiledPlan` of this content, made once. ``block``: a wrapped block's plan,
+    counted against dynamo's recompile limit (:func:`_count_traced`)."""
+    key = (policy, frozenset(kept), frozenset(offloaded), block)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = CompiledPlan(policy, key[1], key[2], owner, block)
+    return plan
+
+
+def compiled_plan_context_fn(plan: CompiledPlan) -> Callable[[], tuple[Any, Any]]:
+    """The ``context_fn`` of a compiled region applying ``plan``: a partial of its handle, which
+    dynamo guards by its own code object (one graph per distinct plan)."""
+    return functools.partial(plan_contexts, plan.compile_handle)
+
+
+def plan_contexts(handle: Callable[[], CompiledPlan]) -> tuple[Any, Any]:
+    """The (forward, recompute) contexts of one traced region applying ``handle()``."""
+    plan = handle()
+    _count_traced(plan)
+    storage: dict[Any, dict[int, Any]] = defaultdict(dict)
+    forward = _TaggingMode(plan.tagger(), storage)
+    return forward, _compat.CachedSACMode(None, storage, False)
+
+
+class _TaggingMode(_compat.CachingSACMode):
+    """torch's forward SAC mode; on leaving, the nodes it tagged ``MUST_CPU_OFFLOAD`` become
+    saved values marked for torch's offload pass (values on the CPU: saved in place)."""
+
+    def __enter__(self) -> Any:
+        proxy = _compat.proxy_mode()
+        self._graph = proxy.tracer.graph if proxy is not None else None
+        self._start = len(self._graph.nodes) if self._graph is not None else 0
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        out = super().__exit__(*exc)
+        if self._graph is not None and _OFFLOAD is not None:
+            _mark_offloads(list(self._graph.nodes)[self._start :])
+        return out
+
+
+def _mark_offloads(nodes: list[Any]) -> None:
+    marked = on_cpu = 0
+    for node in nodes:
+        if node.meta.get("recompute") is not _OFFLOAD:
+            continue
+        node.meta["recompute"] = _SAVE
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            node.meta["should_offload"] = True
+            marked += 1
+        else:
+            on_cpu += 1
+    if marked:
+        _compat.enable_compiled_offload()
+    if on_cpu:
+        _warn_cpu_once()
+
+
+_warned_cpu: list[bool] = []
+
+
+def _warn_cpu_once() -> None:
+    if not _warned_cpu:
+        _warned_cpu.append(True)
+        warnings.warn(
+            "prime_ac: a compiled block offloads results that are on the CPU: they stay saved "
+            "where they are (torch's compile-side offload moves device memory to the host; "
+            "eager offload on the CPU makes a copy in the same memory). Bytes held are the same "
+            "as keeping them.",
+            stacklevel=2,
+        )
+
+
+# Distinct plans traced for checkpointed blocks. Every wrapped block runs one forward (the
+# wrapper class's, prime_ac.wrapping), one code object to dynamo, which compiles at most
+# recompile_limit graphs for it and runs the blocks past that eagerly.
+_traced: weakref.WeakSet = weakref.WeakSet()
+
+
+def _count_traced(plan: CompiledPlan) -> None:
+    if not plan.block or plan in _traced:
+        return
+    _traced.add(plan)
+    limit = _compat.recompile_limit()
+    if limit is not None and len(_traced) == limit:
+        warnings.warn(
+            f"prime_ac: {limit} distinct block plans compiled, which is "
+            f"torch._dynamo.config.recompile_limit: dynamo compiles one graph per plan for the "
+            "checkpointed blocks' forward, and runs blocks with yet another plan eagerly "
+            "(their plan still applies, uncompiled; with fullgraph=True dynamo raises instead). "
+            "Raise torch._dynamo.config.recompile_limit to at least the number of distinct "
+            "plans, or plan so that identical blocks get equal plans.",
+            stacklevel=2,
+        )
