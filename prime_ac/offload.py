@@ -298,6 +298,7 @@ class Offloader:
             if entry.back is not None:
                 torch.cuda.current_stream(entry.back[0].device).wait_event(entry.back[1])
                 self._swap_back(entry, entry.back[0])
+        entries.clear()  # all back: the finalizer of _register must not hold the results
         if position is not None:
             del self._order[position]
             if position > 0:

@@ -31,6 +31,7 @@ from prime_ac.compiled import compiled_plan
 from prime_ac.contexts import block_context_fn, portable
 from prime_ac.policy import OperatorPolicy
 from prime_ac.region import cache_positions, run_region
+from prime_ac.remat import is_remat_checkpoint
 from prime_ac.scopes import retrack, untrack
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "checkpoint_state",
     "checkpointing_disabled",
     "is_checkpointed",
+    "own_class",
     "unwrap_block",
     "unwrap_blocks",
     "wrap_block",
@@ -74,6 +76,11 @@ class BlockCheckpoint:
     # is checkpointed): its first step held at least what no AC holds for it
     watch: Any = dataclasses.field(default=None, compare=False, repr=False)
     bypassed: str = ""
+    # ambient saved_tensors_hooks pack the kept results too (checkpoint_blocks' option)
+    respect_saved_tensors_hooks: bool = False
+    # the instance ``forward`` (a torch_remat checkpoint) prime_ac took over, put back by
+    # unwrap_block; a copy of the block drops it (it calls the original block)
+    shadowed_forward: Any = dataclasses.field(default=None, compare=False, repr=False)
     # the plan as a compiled region applies it (prime_ac.compiled.CompiledPlan), made by
     # wrap_block: blocks with equal plans share one, and one compiled graph
     compiled: Any = dataclasses.field(default=None, compare=False, repr=False)
@@ -86,6 +93,7 @@ class BlockCheckpoint:
         # (prime_ac.contexts.Recipe): the copy's are made from its own plan and offloader.
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         fields["watch"] = None  # a copy reports nothing of the original's first step
+        fields["shadowed_forward"] = None
         fields["compiled"] = None  # made again by wrap_block for the copy's policy
         policy = fields.pop("policy")
         if type(policy) is OperatorPolicy and self.plan is None:
@@ -148,6 +156,12 @@ def _wrapper_class(cls: type) -> type:
     return _wrapper_classes[cls]
 
 
+def own_class(block: nn.Module) -> type:
+    """The class ``block`` has when prime_ac does not wrap it."""
+    state = getattr(block, _STATE, None) if isinstance(block, _CheckpointedBlock) else None
+    return type(block) if state is None else state.original_class
+
+
 def checkpoint_state(module: nn.Module) -> BlockCheckpoint | None:
     """The settings of a block that prime_ac checkpoints, or None if it is not checkpointed."""
     state = getattr(module, _STATE, None) if isinstance(module, _CheckpointedBlock) else None
@@ -157,7 +171,9 @@ def checkpoint_state(module: nn.Module) -> BlockCheckpoint | None:
 def is_checkpointed(module: nn.Module) -> bool:
     """Whether ``module`` runs as a checkpointed block: one prime_ac checkpoints (and has not
     stood down after a first step that held at least what no AC holds), or torch's
-    ``CheckpointWrapper``.
+    ``CheckpointWrapper``, or torch_remat's checkpoint set as the instance's ``forward`` (as
+    torchtitan sets it); an instance ``forward`` of any other kind, which prime_ac's class
+    cannot reach, answers False.
 
     The question trainers ask with ``isinstance(module, CheckpointWrapper)`` (FastVideo does),
     which a prime_ac block answers False: it keeps its class's name and its state-dict keys.
@@ -167,6 +183,9 @@ def is_checkpointed(module: nn.Module) -> bool:
         prime_ac.checkpoint_blocks(model)
         assert all(prime_ac.is_checkpointed(block) for block in model.layers)
     """
+    shadow = module.__dict__.get("forward")
+    if shadow is not None:  # runs instead of any class's forward, prime_ac's included
+        return is_remat_checkpoint(shadow)
     state = checkpoint_state(module)
     if state is not None:
         return not state.bypassed
@@ -185,7 +204,10 @@ def wrapped_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def wrap_block(block: nn.Module, state: BlockCheckpoint) -> None:
     """Checkpoint ``block`` with ``state``; a block already wrapped only gets the new state."""
     if isinstance(block, _CheckpointedBlock):
-        original = getattr(block, _STATE).original_class
+        previous = getattr(block, _STATE)
+        original = previous.original_class
+        if state.shadowed_forward is None:  # a re-configuration still owes the taken-over one
+            state = dataclasses.replace(state, shadowed_forward=previous.shadowed_forward)
     else:
         original = type(block)
         block.__class__ = _wrapper_class(original)
@@ -219,6 +241,9 @@ def unwrap_block(block: nn.Module) -> None:
     if not isinstance(block, _CheckpointedBlock):
         return
     untrack(block)
+    shadowed = getattr(block, _STATE).shadowed_forward
+    if shadowed is not None:  # the torch_remat checkpoint prime_ac took over
+        block.forward = shadowed
     if can_restore_class(block):
         block.__class__ = getattr(block, _STATE).original_class
         delattr(block, _STATE)
@@ -264,12 +289,18 @@ def checkpointing_disabled(model: nn.Module) -> Iterator[None]:
 def changes_undone_on_error(model: nn.Module) -> Iterator[None]:
     """If the body raises, every module of ``model`` gets back the class and checkpoint settings
     it had on entry, so a failed re-configuration leaves the model exactly as it was."""
-    before = [(m, type(m), m.__dict__.get(_STATE)) for m in model.modules()]
+    before = [
+        (m, type(m), m.__dict__.get(_STATE), m.__dict__.get("forward")) for m in model.modules()
+    ]
     try:
         yield
     except BaseException:
-        for module, cls, state in before:
+        for module, cls, state, forward in before:
             module.__class__ = cls
+            if forward is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = forward
             if state is None:
                 module.__dict__.pop(_STATE, None)
             else:
