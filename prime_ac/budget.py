@@ -391,7 +391,7 @@ def plan_budget(
     limit = planner.parse_bytes(budget) if peak else 0
     calls = {name: report.calls.get(name, []) for name in report.blocks}
     structure = [(name, [op_name(c.op) for c in calls[name]]) for name in report.blocks]
-    limit, link = ranks.check(group, kind, structure, limit, link)
+    limit, link, _ = ranks.check(group, kind, structure, limit, link)
     no_ac = report.block_held_bytes_no_ac
     if peak:
         measured = timer.seconds() if timer is not None else {}

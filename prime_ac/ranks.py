@@ -26,6 +26,7 @@ user's ``group`` into the one the other functions take, where None means no exch
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
@@ -44,8 +45,8 @@ _DESCRIBED = {
     "per-block": "bytes per block (a mapping)",
 }
 # a row: failed, kind, blocks, hash of the block names, calls, hash of the calls, budget,
-# bandwidth (bytes/s, _NONE where not measured)
-_WIDTH = 8
+# bandwidth (bytes/s), host cap (_NONE: not measured, no cap)
+_WIDTH = 9
 _NONE = 2**62
 _FIX = (
     "pass group= (a torch.distributed process group of the ranks that run the same blocks, such "
@@ -135,13 +136,15 @@ def check(
     blocks: Sequence[tuple[str, Sequence[str]]],
     budget: int = 0,
     bandwidth: float | None = None,
-) -> tuple[int, float | None]:
+    host_cap: int | None = None,
+) -> tuple[int, float | None, int | None]:
     """Check that every rank of ``group`` plans the same ``blocks`` (``(name, operators of its
     calls in order)``) with the same ``kind`` of budget, in one all-gather; raise
-    :class:`RanksError` on every rank where they differ or a rank failed. Returns the budget and
-    bandwidth the group plans with: the smallest over its ranks (as given without a group)."""
+    :class:`RanksError` on every rank where they differ or a rank failed. Returns the budget,
+    bandwidth and host cap the group plans with: the smallest over its ranks (None: none
+    measured, no cap; as given without a group)."""
     if group is None:
-        return budget, bandwidth
+        return budget, bandwidth, host_cap
     calls = [op for _, ops in blocks for op in ops]
     mine = [
         0,
@@ -152,6 +155,7 @@ def check(
         _digest([f"{name}:{','.join(ops)}" for name, ops in blocks]),
         min(budget, _NONE - 1),
         _NONE if bandwidth is None else int(bandwidth),
+        _NONE if host_cap is None else min(host_cap, _NONE - 1),
     ]
     rows = _gather(group, mine)
     _raise_for_failures(group, rows, "profiling the step to plan")
@@ -181,17 +185,19 @@ def check(
         "changes them)",
         lambda k, i: f"{k[0]} calls (sequence #{i + 1})",
     )
-    least = min(row[6] for row in rows)
-    if least < budget:
-        logger.warning(
-            "prime_ac: budget=%s on this rank; the ranks planning together plan for their "
-            "smallest, %s (%s), so they run one plan (pass group= to plan apart)",
-            format_bytes(budget),
-            format_bytes(least),
-            _ranks(group, [m for m, row in enumerate(rows) if row[6] == least]),
-        )
-    link = min(row[7] for row in rows)
-    return least, None if link == _NONE else float(link)
+    least, link, cap = (min(row[k] for row in rows) for k in (6, 7, 8))
+    agreed = (("budget", 6, budget, least), ("host_cap", 8, host_cap, cap))
+    for argument, k, given, smallest in agreed:
+        if given is not None and smallest < given:
+            logger.warning(
+                "prime_ac: %s=%s on this rank; the ranks planning together plan with their "
+                "smallest, %s (%s), so they run one plan (pass group= to plan apart)",
+                argument,
+                format_bytes(given),
+                format_bytes(smallest),
+                _ranks(group, [m for m, row in enumerate(rows) if row[k] == smallest]),
+            )
+    return least, None if link == _NONE else float(link), None if cap == _NONE else cap
 
 
 def most(group: Any, value: int) -> int:
@@ -220,32 +226,32 @@ def failures_reported(group: Any, then: Callable = check) -> Iterator[None]:
 
 def agree(blocks: list[BlockProfile], group: Any = None) -> list[BlockProfile]:
     """The same profile on every rank of ``group`` (checked alike by :func:`check`): each call's
-    bytes and seconds, and each block's input and saved bytes, become their largest over the
-    ranks (one all-reduce), so every rank plans alike. Without a group, as is."""
+    bytes and seconds, and each block's measured bytes (input, saved, extras: every field but
+    its name and calls), become their largest over the ranks (one all-reduce), so every rank
+    plans alike. Without a group, as is."""
     if group is None:
         return blocks
     import torch
     import torch.distributed as dist
 
-    flat = [c for b in blocks for c in b.calls]
-    saved = [-1.0 if b.saved_bytes is None else float(b.saved_bytes) for b in blocks]
-    inputs = [float(b.input_bytes) for b in blocks]
-    tensor = torch.tensor(
-        [float(c.bytes) for c in flat] + [c.seconds for c in flat] + saved + inputs,
-        dtype=torch.float64,
-        device=_device(group),
-    )
+    measured = [f.name for f in dataclasses.fields(BlockProfile) if f.name not in ("name", "calls")]
+    values = []
+    for b in blocks:
+        values += [float(c.bytes) for c in b.calls] + [c.seconds for c in b.calls]
+        # None (not measured) as -1: the largest is -1 only where no rank measured it
+        values += [-1.0 if getattr(b, f) is None else float(getattr(b, f)) for f in measured]
+    tensor = torch.tensor(values, dtype=torch.float64, device=_device(group))
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    values = tensor.cpu().tolist()
-    n, m = len(flat), len(blocks)
-    it = iter(range(n))
+    largest = iter(tensor.cpu().tolist())
     agreed = []
-    for i, b in enumerate(blocks):
-        calls = []
-        for c in b.calls:
-            k = next(it)
-            calls.append(Call(c.op, c.index, int(values[k]), values[n + k], c.kind))
-        largest = values[2 * n + i]  # -1 on every rank: measured on none
-        saved_bytes = None if largest < 0 else int(largest)
-        agreed.append(BlockProfile(b.name, tuple(calls), int(values[2 * n + m + i]), saved_bytes))
+    for b in blocks:
+        sizes = [int(next(largest)) for _ in b.calls]
+        times = [next(largest) for _ in b.calls]
+        calls = [
+            Call(c.op, c.index, size, time, c.kind)
+            for c, size, time in zip(b.calls, sizes, times, strict=True)
+        ]
+        fields = {f: next(largest) for f in measured}
+        fields = {f: None if v < 0 else int(v) for f, v in fields.items()}
+        agreed.append(dataclasses.replace(b, calls=tuple(calls), **fields))
     return agreed

@@ -22,7 +22,7 @@ from torch import nn
 import prime_ac
 import prime_ac.budget as budget_module
 from prime_ac.planner import BlockProfile, Call
-from prime_ac.ranks import RanksError, agree, resolve
+from prime_ac.ranks import RanksError, agree, check, resolve
 from prime_ac.wrapping import is_checkpointed
 from tests.dist_utils import run_distributed
 
@@ -123,14 +123,22 @@ def _cases(rank, world_size):
     last = world_size - 1
     counts = {}
 
-    # the profile: each call's largest bytes and time, each block's largest input and saved bytes
+    # the profile: each call's largest bytes and time, each block's largest measured bytes
     mm = Call("aten::mm", 0, 100 * (rank + 1), 0.1 * (rank + 1))
-    profile = [BlockProfile("a", (mm,), 5 * (rank + 1), 60 * (rank + 1)), BlockProfile("b", (mm,))]
+    profile = [
+        BlockProfile("a", (mm,), 5 * (rank + 1), 60 * (rank + 1), forward_extra=7 * rank),
+        BlockProfile("b", (mm,), after_bytes=3 * (rank + 1)),
+    ]
     agreed = agree(profile, resolve(None))
     assert agreed[0].calls[0].bytes == 100 * world_size
     assert agreed[0].calls[0].seconds == pytest.approx(0.1 * world_size)
     assert agreed[0].saved_bytes == 60 * world_size and agreed[1].saved_bytes is None
     assert agreed[0].input_bytes == 5 * world_size and agreed[1].input_bytes == 0
+    assert agreed[0].forward_extra == 7 * last and agreed[1].after_bytes == 3 * world_size
+    # the smallest budget, bandwidth and host cap (None: not measured, no cap)
+    structure = [("layers.0", ["aten::mm.default"])]
+    given = (2**20 * (world_size - rank), 1e9 + rank, None if odd else 2**30 * (rank + 1))
+    assert check(resolve(None), "peak", structure, *given) == (2**20, 1e9, 2**30)
 
     # different block counts (what pipeline stages have)
     outcome = _plan(rank, "1MiB", blocks=2 + odd)
@@ -177,14 +185,14 @@ def _cases(rank, world_size):
     handler.emit = lambda record: logs.append(record.getMessage())
     logging.getLogger("prime_ac").addHandler(handler)
     try:
-        budget = 40 * 2**10 + (2**10 if odd else 0)
+        budget = 72 * 2**10 + (2**10 if odd else 0)
         model, counts["close budgets"] = _plan(rank, budget)
     finally:
         logging.getLogger("prime_ac").removeHandler(handler)
     plans = _everyone(_plan_of(model))
     assert all(p == plans[0] for p in plans), plans
-    assert plans[0][0] == 40 * 2**10
-    told = [m for m in logs if "plan for their smallest" in m]
+    assert plans[0][0] == 72 * 2**10 and plans[0][1] <= 72 * 2**10  # fits, on every rank
+    told = [m for m in logs if "plan with their smallest, 72.00 KiB" in m]
     assert bool(told) == odd and all(evens in m for m in told), logs
     model(torch.randn(4 + rank, 8, DIM)).backward()  # the planned model trains
 
