@@ -11,11 +11,13 @@ from prime_ac.audit import AuditReport, audit
 from prime_ac.checkpoint import checkpoint_blocks
 from prime_ac.config import ACConfig
 from prime_ac.contexts import context_fn
+from prime_ac.diagnostics import MemoryReport, labelled_allocations, memory_report
 from prime_ac.discovery import find_blocks
+from prime_ac.keep import keep
 from prime_ac.layer_modes import get_layer_modes
 from prime_ac.policy import MODES, OperatorPolicy, make_policy
 from prime_ac.scopes import tag
-from prime_ac.store import KeptOutputMutatedError, ReplayMismatchError
+from prime_ac.store import KeptOutputMutatedError, ReplayMismatchError, saved_tensor_kind
 from prime_ac.targets import DEFAULT_TARGETS, HOST_SYNC_TARGETS, MANDATORY_TARGETS, Target
 from prime_ac.wrapping import is_checkpointed, unwrap_blocks
 
@@ -30,6 +32,7 @@ __all__ = [
     "ACConfig",
     "AuditReport",
     "KeptOutputMutatedError",
+    "MemoryReport",
     "OperatorPolicy",
     "ReplayMismatchError",
     "Target",
@@ -39,7 +42,11 @@ __all__ = [
     "find_blocks",
     "get_layer_modes",
     "is_checkpointed",
+    "labelled_allocations",
+    "keep",
     "make_policy",
+    "memory_report",
+    "saved_tensor_kind",
     "tag",
     "unwrap_blocks",
 ]

@@ -8,9 +8,10 @@ prime_ac's own mode classes (keyed by those classes, so no other mode sees them)
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ __all__ = [
     "COMPILED_OFFLOAD",
     "CachedSACMode",
     "CachingSACMode",
+    "CHECKPOINT_RESPECTS_HOOKS",
     "FSDP_ALL_GATHER_COPY_IN",
     "SAC_IGNORED_OPS",
     "DispatchMode",
@@ -35,6 +37,7 @@ __all__ = [
     "TorchDispatchMode",
     "detach",
     "dispatch_op_names",
+    "is_compiled_module",
     "is_composite_implicit",
     "is_traceable_wrapper_subclass",
     "is_tracing",
@@ -44,6 +47,7 @@ __all__ = [
     "recompile_limit",
     "operator_parts",
     "redirect_hops",
+    "region_mode",
     "sac_context",
     "sac_hops",
     "schema_is_mutable",
@@ -55,6 +59,7 @@ __all__ = [
     "top_saved_tensors_hooks",
     "tree_unflatten",
     "version",
+    "without_top_mode",
     "written_arguments",
     "attach_oom_observer",
     "saved_tensor_values",
@@ -302,6 +307,48 @@ def top_saved_tensors_hooks() -> tuple[Any, Any] | None:
     return torch._C._autograd._top_saved_tensors_default_hooks(True)
 
 
+def region_mode(kinds: tuple[type, ...]) -> Any:
+    """The innermost dispatch mode in effect that is an instance of ``kinds``, or None.
+
+    torch.utils._python_dispatch._get_current_dispatch_mode_stack (2.0-2.14). Public
+    replacement: none (a mode can be entered, not found).
+    """
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    modes = _get_current_dispatch_mode_stack()
+    return next((m for m in reversed(modes) if isinstance(m, kinds)), None)
+
+
+@contextlib.contextmanager
+def without_top_mode(mode: Any) -> Iterator[None]:
+    """Run the body with ``mode``, the innermost dispatch mode, taken off the stack.
+
+    torch.utils._python_dispatch._pop_mode_temporarily (2.0-2.14). Public replacement: none.
+    """
+    from torch.utils._python_dispatch import (
+        _get_current_dispatch_mode_stack,
+        _pop_mode_temporarily,
+    )
+
+    stack = _get_current_dispatch_mode_stack()
+    if not stack or stack[-1] is not mode:
+        inner = type(stack[-1]).__name__ if stack else "none"
+        raise RuntimeError(
+            f"prime_ac.keep: the call runs under another dispatch mode ({inner}) entered inside "
+            "the checkpointed block, which prime_ac cannot step around: enter it outside the "
+            "block, or call the function without prime_ac.keep"
+        )
+    with _pop_mode_temporarily():
+        yield
+
+
+# torch 2.14+: checkpoint(..., respect_saved_tensors_hooks=) (pytorch#190581); its default None
+# warns (FutureWarning) when a user's saved_tensors_hooks surround torch's selective checkpoint.
+CHECKPOINT_RESPECTS_HOOKS = (
+    "respect_saved_tensors_hooks" in inspect.signature(_checkpoint.checkpoint).parameters
+)
+
+
 def _returning(value: Any) -> Callable[[], Any]:
     def get() -> Any:
         return value
@@ -429,3 +476,14 @@ def recompile_limit() -> int | None:
     """dynamo's graphs per code object (``recompile_limit``; ``cache_size_limit`` before 2.6)."""
     config = torch._dynamo.config
     return getattr(config, "recompile_limit", getattr(config, "cache_size_limit", None))
+
+
+def is_compiled_module(module: Any) -> bool:
+    """Whether ``module`` runs compiled: ``module.compile()`` (nn.Module's
+    ``_compiled_call_impl``, 2.2-2.14) or ``torch.compile(module)`` (an ``OptimizedModule``,
+    torch._dynamo.eval_frame, 2.0-2.14). Public replacement: none."""
+    if getattr(module, "_compiled_call_impl", None) is not None:
+        return True
+    dynamo = getattr(torch, "_dynamo", None)
+    optimized = getattr(getattr(dynamo, "eval_frame", None), "OptimizedModule", None)
+    return optimized is not None and isinstance(module, optimized)

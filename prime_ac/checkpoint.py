@@ -28,13 +28,15 @@ from prime_ac.discovery import BlockSelector, find_blocks
 from prime_ac.layer_modes import get_layer_modes, layer_policies
 from prime_ac.offload_targets import offload_policies, offloading_context_fn
 from prime_ac.policy import make_policy, refuse_typos
+from prime_ac.remat import is_remat_checkpoint, remat_checkpoint_call
 from prime_ac.scopes import scope_problems, split_targets, untrack
 from prime_ac.targets import TargetSet, translate_composites
-from prime_ac.watch import Watch
+from prime_ac.watch import Watch, say_once, unloaded_namespaces
 from prime_ac.wrapping import (
     BlockCheckpoint,
     changes_undone_on_error,
     checkpoint_state,
+    own_class,
     unwrap_block,
     wrap_block,
     wrapped_blocks,
@@ -62,9 +64,11 @@ def checkpoint_blocks(
     determinism_check: str | None = None,
     skip_worse: bool = True,
     offload: Iterable[str] | None = None,
+    group: Any = None,
+    host_cap: int | str | None = None,
+    respect_saved_tensors_hooks: bool = False,
 ) -> list[str]:
     """Wrap each selected block of ``model`` in its own non-reentrant checkpoint region.
-    group: Any = None,
 
     Works in place and returns the wrapped blocks' qualified names. ``mode`` is ``"full"`` (the
     default: keep only the mandatory operators) or ``"selective"`` (also keep ``targets``,
@@ -96,9 +100,22 @@ def checkpoint_blocks(
 
     ``offload`` names operators (as ``targets`` does) whose results go to host memory instead
     of staying on the device, kept even where the mode replays them (:mod:`prime_ac.offload_targets`).
+    ``host_cap`` (bytes, an int or ``"64GiB"``) bounds the host memory a peak budget's plan
+    offloads into; on CPU, where host and device are one memory, a plan offloads nothing
+    unless it is given, and a named ``offload`` is logged once as freeing nothing there.
+
+    ``respect_saved_tensors_hooks=True`` (torch 2.14's name, same meaning): the
+    ``torch.autograd.graph.saved_tensors_hooks`` in effect around a block's forward pack the
+    results it keeps too (at the end of its forward; unpacked when its recompute starts), and
+    its inputs, each tagged with its kind (:func:`prime_ac.saved_tensor_kind`). False (the
+    default): kept results bypass them, as torch's own selective checkpointing does today.
 
     Blocks already checkpointed by ``torch.distributed``'s ``CheckpointWrapper`` are refused;
-    a Hugging Face model with its own gradient checkpointing on gets a warning.
+    a Hugging Face model with its own gradient checkpointing on gets a warning. A block whose
+    instance ``forward`` is torchtitan's ``torch_remat.checkpoint`` of its own forward is taken
+    over (prime_ac's region runs instead; :func:`unwrap_blocks` puts it back); any other
+    instance ``forward``, or a class ``forward`` that calls ``torch_remat.checkpoint``, is
+    refused, naming the block (prime_ac's region would never run, or would nest).
 
     Example::
 
@@ -120,9 +137,16 @@ def checkpoint_blocks(
         determinism_check=determinism_check,
         preserve_rng_state=preserve_rng_state,
         offload=offload,
+        host_cap=host_cap,
     )
     auto = config.targets == "auto"
     _check_profile(profile, auto)
+    if group is not None and not auto:
+        raise ValueError(
+            'group= names the ranks that plan a budget together: it applies only with '
+            'targets="auto"; drop it or set targets="auto"'
+        )
+    _check_respect(respect_saved_tensors_hooks, auto, config.offload)
     if not isinstance(skip_worse, bool):
         raise TypeError(
             f"skip_worse={skip_worse!r} must be True (run a block that holds at least what no AC "
@@ -136,46 +160,46 @@ def checkpoint_blocks(
     )
     # the targets a user named, reported when they cannot match; those an adapter supplied
     # (a trainer's list, its translations and device variants: prime_ac.tables) are not
-    if group is not None and not auto:
-        raise ValueError(
-            'group= names the ranks that plan a budget together: it applies only with '
-            'targets="auto"; drop it or set targets="auto"'
-        )
     named = tables.user_named(config.targets or ()) if config.keeps_targets and not auto else []
     _report(
         TargetSet(split_targets(translate_composites(named))[0]).problems()
         + TargetSet(mandatory).problems(mandatory=True)
         + TargetSet(translate_composites(config.offload or ())).problems(),
         strict,
-        configuration=(repr(config), tuple(mandatory)),
     )
 
     selected, modes = _select(find_blocks(model, blocks), config)
+    _say_offload_stays_in_memory(model, config.offload)
     policies = offload_policies(layer_policies(config, modes, mandatory, policy), config.offload)
     policy = policies.get(
         "selective", policies[config.mode]
     )  # the one with the named targets and scopes
     _check_not_nested(selected, "blocks=" if blocks is not None else "discovery")
     _check_no_checkpoint_wrapper(model, selected)
+    taken_over = _remat_forwards(selected)
     _warn_on_own_checkpointing(model)
     if policy.scoped is not None:
         scoped = scope_problems(policy.scoped.targets, [block for _, block in selected])
-        _report(scoped, strict, configuration=repr(config))
+        _report(scoped, strict)
     if auto and isinstance(config.budget, Mapping):
         _check_budget_names(config.budget, [name for name, _ in selected])
 
     chosen = {id(block) for _, block in selected}
     # what the first step did, said once: named targets that matched nothing, blocks holding
     # at least what no AC holds for them (prime_ac.watch)
+    listed = config.targets if config.keeps_targets and not auto and config.targets else ()
     watch = Watch(
         split_targets(translate_composites(named))[0],
         [name for name, _ in selected],
         strict,
+        listed=split_targets(translate_composites(listed))[0],
     )
     if skip_worse:
         watch.bypass = _bypass(watch, selected)
     with changes_undone_on_error(model):
         for name, block in selected:
+            if id(block) in taken_over:
+                del block.forward  # prime_ac's class runs; unwrap_block puts it back
             wrap_block(
                 block,
                 BlockCheckpoint(
@@ -188,6 +212,8 @@ def checkpoint_blocks(
                     early_stop=config.early_stop,
                     determinism_check=config.determinism_check,
                     watch=watch,
+                    respect_saved_tensors_hooks=respect_saved_tensors_hooks,
+                    shadowed_forward=taken_over.get(id(block)),
                 ),
             )
         # blocks leaving: switched off first (reversible), unwrapped once nothing can fail
@@ -196,7 +222,9 @@ def checkpoint_blocks(
             wrap_block(block, dataclasses.replace(checkpoint_state(block), active=False))
         if auto:
             with profiled_modes(selected) as training:
-                plans = plan_budget(model, _checked_profile(profile), config.budget, group)
+                plans = plan_budget(
+                    model, _checked_profile(profile), config.budget, group, config.host_cap
+                )
             for name, block in selected:
                 state = dataclasses.replace(
                     checkpoint_state(block),
@@ -214,6 +242,23 @@ def checkpoint_blocks(
             unwrap_block(block)
         _install_scope_hooks(model, policy)
     return [name for name, _ in selected]
+
+
+_SAID_ONE_MEMORY: set[tuple[str, ...]] = set()
+
+
+def _say_offload_stays_in_memory(model: nn.Module, offload: Iterable[str] | None) -> None:
+    """Log once per operator list that a named offload on CPU frees nothing: host and device
+    are one memory there, so each offloaded result is a copy in the same memory."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if not offload or device.type != "cpu" or tuple(offload) in _SAID_ONE_MEMORY:
+        return
+    _SAID_ONE_MEMORY.add(tuple(offload))
+    logger.warning(
+        "prime_ac: offload=%s on CPU: host and device are one memory, so the offloaded results "
+        "stay in the same memory (copied, not freed). Offload on an accelerator, or drop offload=.",
+        list(offload),
+    )
 
 
 def _bypass(watch: Watch, selected: list[tuple[str, nn.Module]]) -> Callable[[str, str], None]:
@@ -369,6 +414,66 @@ def _check_no_checkpoint_wrapper(model: nn.Module, selected: list[tuple[str, nn.
         )
 
 
+def _check_respect(respect: Any, auto: bool, offload: Any) -> None:
+    if not isinstance(respect, bool):
+        raise TypeError(
+            f"respect_saved_tensors_hooks={respect!r} must be True (the saved_tensors_hooks "
+            "around the forward pack kept results too) or False (they bypass them)"
+        )
+    if respect and (auto or offload):
+        mover = 'targets="auto"' if auto else "offload="
+        raise ValueError(
+            f"respect_saved_tensors_hooks=True hands kept results to your saved_tensors_hooks, "
+            f"and {mover} moves them itself: choose one (drop respect_saved_tensors_hooks, or "
+            "let your hooks offload)"
+        )
+
+
+def _remat_forwards(selected: list[tuple[str, nn.Module]]) -> dict[int, Any]:
+    """The instance ``forward`` of each selected block that is torch_remat's checkpoint of the
+    block's own forward (torchtitan's ``block.forward = remat.checkpoint(...)(block.forward)``),
+    to take over; raises naming every block whose forward prime_ac's class cannot reach (any
+    other instance ``forward``) or whose class's forward runs a remat checkpoint itself."""
+    taken, refused = {}, []
+    for name, block in selected:
+        cls = own_class(block)
+        if is_remat_checkpoint(cls.forward) or remat_checkpoint_call(cls.forward):
+            refused.append(f"{name!r} (class {cls.__name__} runs torch_remat.checkpoint in forward)")
+            continue
+        shadow = block.__dict__.get("forward")
+        if shadow is None:
+            continue
+        inner = getattr(shadow, "__wrapped__", None)
+        if (
+            is_remat_checkpoint(shadow)
+            and getattr(inner, "__self__", None) is block
+            and getattr(inner, "__func__", None) is cls.forward
+        ):
+            taken[id(block)] = shadow
+        else:
+            what = "torch_remat's checkpoint" if is_remat_checkpoint(shadow) else type(shadow)
+            refused.append(f"{name!r} (instance attribute forward = {getattr(what, '__qualname__', what)})")
+    if refused:
+        raise ValueError(
+            f"checkpoint_blocks: {len(refused)} selected block(s) would not run prime_ac's "
+            f"checkpoint as they are: {', '.join(refused[:4])}. prime_ac checkpoints a block "
+            "through its class, which an instance attribute forward shadows, and a "
+            "torch_remat.checkpoint inside the class's forward would nest inside prime_ac's "
+            "region (every operator replayed twice). Remove the instance attribute "
+            "(del block.forward; torchtitan: build without its activation checkpointing and "
+            "call prime_ac.integrations.torchtitan.apply_ac), take remat.checkpoint out of the "
+            "class (its remat.region calls may stay: 'region:<name>' targets keep them), or "
+            "leave these blocks out of blocks=."
+        )
+    if taken:
+        logger.info(
+            "prime_ac: %d block(s) had torch_remat's checkpoint as their forward; prime_ac's "
+            "region runs instead (unwrap_blocks puts it back)",
+            len(taken),
+        )
+    return taken
+
+
 def _warn_on_own_checkpointing(model: nn.Module) -> None:
     """Warn once per call when Hugging Face's own gradient checkpointing is on: a module's
     ``gradient_checkpointing`` flag, as transformers' GradientCheckpointingLayer and diffusers
@@ -413,28 +518,31 @@ def _check_budget_names(budget: Mapping[str, int], names: list[str]) -> None:
         raise ValueError(f"budget= has no entry for checkpointed block(s) {missing}")
 
 
-# (configuration, problems) already logged
-_REPORTED: set[tuple[Any, tuple[tuple[str, str], ...]]] = set()
-
-
-def _report(problems: list[tuple[str, str]], strict: bool, configuration: Any = None) -> None:
+def _report(problems: list[tuple[str, str]], strict: bool) -> None:
     """Raise for names in torch's own namespaces that name no operator
-    (:func:`prime_ac.policy.refuse_typos`); log the other problems once per configuration (the
-    same list logs once per process), or raise for them too with ``strict=True``."""
+    (:func:`prime_ac.policy.refuse_typos`); log the other problems once per process and list of
+    problems (at debug level for names of a namespace no module of this process registered: an
+    optional backend, which may never load), or raise for them too with ``strict=True``."""
     refuse_typos(problems)
     if strict and problems:
         raise ValueError(
             "targets that no dispatch mode can see (strict=True): "
             + "; ".join(f"{target!r} {reason}" for target, reason in problems)
         )
-    key = (configuration, tuple(problems))
-    if not problems or key in _REPORTED:
-        return
-    _REPORTED.add(key)
+    names = [target.split("/")[-1].lstrip("!") for target, _ in problems]
+    unloaded = unloaded_namespaces(names)
+    optional = [p for p, n in zip(problems, names, strict=True) if n.split("::")[0] in unloaded]
     # one record for the lot: a list naming a backend's ops before it loads (FastVideo's nine
     # fastvideo:: ops) says so once, not once per op
-    logger.warning(
-        "prime_ac: %d target(s) match nothing for now (said once per configuration): %s",
-        len(problems),
-        "; ".join(f"{target!r} {reason}" for target, reason in problems),
-    )
+    for level, found in (
+        (logging.DEBUG, optional),
+        (logging.WARNING, [p for p in problems if p not in optional]),
+    ):
+        if found and say_once(("match nothing for now", tuple(found))):
+            logger.log(
+                level,
+                "prime_ac: %d target(s) match nothing for now (said once per process and "
+                "list): %s",
+                len(found),
+                "; ".join(f"{target!r} {reason}" for target, reason in found),
+            )

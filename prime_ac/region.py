@@ -13,7 +13,7 @@ import inspect
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -22,8 +22,10 @@ from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint
 
 from prime_ac import diagnostics
+from prime_ac._compat import CHECKPOINT_RESPECTS_HOOKS
 from prime_ac.compiled import compiled_plan_context_fn
 from prime_ac.contexts import compiled_block_context_fn
+from prime_ac.store import respecting_saved_tensors_hooks
 
 __all__ = ["cache_positions", "run_region"]
 
@@ -60,19 +62,23 @@ def run_region(
             context_fn = compiled_plan_context_fn(state.compiled)
         else:
             context_fn = compiled_block_context_fn(state.policy)
+        if CHECKPOINT_RESPECTS_HOOKS:  # torch 2.14+: said explicitly, no FutureWarning
+            options["respect_saved_tensors_hooks"] = state.respect_saved_tensors_hooks
     else:
         region = _Region(block, copies, state.name)
         context_fn = region.context_fn(state.context_fn)
-    out = checkpoint(
-        region,
-        forward,
-        kwargs,
-        *args,
-        use_reentrant=False,
-        context_fn=context_fn,
-        preserve_rng_state=state.preserve_rng_state,
-        **options,
-    )
+    respect = state.respect_saved_tensors_hooks and region is not _call
+    with respecting_saved_tensors_hooks() if respect else nullcontext():
+        out = checkpoint(
+            region,
+            forward,
+            kwargs,
+            *args,
+            use_reentrant=False,
+            context_fn=context_fn,
+            preserve_rng_state=state.preserve_rng_state,
+            **options,
+        )
     if region is not _call:
         region.forward_done()
     return out

@@ -8,7 +8,10 @@ some of its calls (the grammar is in docs/checkpointing.md, "Scoped targets and 
   ``"attention/aten::mm"``, ``"feed_forward.w1/aten::mm"``, ``"experts.*.w2/aten::mm"``;
 - ``"!<scope>/<target>"`` forces those calls to replay;
 - ``"tag:<name>"`` keeps the tensors model code marked with :func:`tag` (and
-  ``"<scope>/tag:<name>"``, ``"!<scope>/tag:<name>"`` likewise).
+  ``"<scope>/tag:<name>"``, ``"!<scope>/tag:<name>"`` likewise);
+- ``"region:<glob>"`` keeps every operator call made inside a ``torch_remat.region`` whose
+  name matches the shell pattern (``"region:attention.*"``), ``"!region:<glob>"`` replays them:
+  a torchtitan model's declared regions, with no prime_ac edit (:mod:`prime_ac.remat`).
 
 ``/``, ``!`` and ``tag:`` never occur in the ``ns::op.overload`` grammar, so every string has
 one reading. Precedence: mandatory > forced replay > scoped keep > unscoped keep.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import re
 import weakref
+from fnmatch import fnmatchcase
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,6 +36,7 @@ import torch
 from torch import nn
 
 from prime_ac._compat import is_tracing
+from prime_ac.remat import current_region, region_names, remat_available, track_region_names
 from prime_ac.targets import Target, TargetSet, operator_key
 
 __all__ = [
@@ -69,10 +74,18 @@ class ScopedTarget:
     tag: str | None = None
     scope: tuple[str, ...] = ()  # () = anywhere in the block
     replay: bool = False
+    region: str | None = None  # a torch_remat region name pattern: every call inside it
 
     @classmethod
     def parse(cls, text: str) -> ScopedTarget:
         body = text[1:] if text.startswith("!") else text
+        if body.startswith("region:"):  # before "/": remat.name_scope joins names with "/"
+            if not body[7:].strip():
+                raise ValueError(
+                    f"invalid region target {text!r}: name a torch_remat region (a shell "
+                    "pattern over remat.region names, e.g. 'region:attention.*')"
+                )
+            return cls(None, None, (), text.startswith("!"), body[7:])
         scope: tuple[str, ...] = ()
         if "/" in body:
             prefix, _, body = body.partition("/")
@@ -103,12 +116,16 @@ class ScopedTarget:
         return cls(operator, None, scope, text.startswith("!"))
 
     def __str__(self) -> str:
+        if self.region is not None:
+            return ("!" if self.replay else "") + "region:" + self.region
         what = f"tag:{self.tag}" if self.operator is None else str(self.operator)
         where = ".".join(self.scope) + "/" if self.scope else ""
         return ("!" if self.replay else "") + where + what
 
     def names(self, key: tuple[str, str, str | None], tag_name: str | None) -> bool:
         """Whether this target names operator ``key`` (or the tag ``tag_name``), scope aside."""
+        if self.region is not None:
+            return False  # decided by the regions a call is in (ScopeRules.decide)
         if self.operator is None:
             return tag_name is not None and tag_name == self.tag
         t = self.operator
@@ -140,7 +157,9 @@ def _is_tag(text: str) -> bool:
 def parse_target(text: Any) -> Target | ScopedTarget:
     """A plain :class:`~prime_ac.targets.Target`, or a :class:`ScopedTarget` for the forms that
     contain ``/``, ``!`` or ``tag:``."""
-    if isinstance(text, str) and ("/" in text or text.startswith("!") or _is_tag(text)):
+    if isinstance(text, str) and (
+        "/" in text or text.startswith(("!", "region:")) or _is_tag(text)
+    ):
         return ScopedTarget.parse(text)
     return Target.parse(text)
 
@@ -387,10 +406,13 @@ class ScopeRules:
         self.targets = tuple(scoped)
         self.plain = plain
         self.needs_scope = any(t.scope for t in self.targets)
+        self.needs_region = any(t.region is not None for t in self.targets)
         self.tracker = ScopeTracker([t for t in self.targets if t.scope])
         self._stack = self.tracker.stack
-        self._decisions: dict[tuple[int, str | None, int], bool] = {}
+        self._decisions: dict[tuple[int, str | None, int, int], bool] = {}
         _name_tags(self.targets)
+        if self.needs_region:
+            track_region_names()
 
     def __reduce__(self) -> tuple[Any, ...]:
         # decisions are keyed by id(operator), and the tracker holds hooks: a copy starts afresh
@@ -398,19 +420,24 @@ class ScopeRules:
 
     def involves(self, key: tuple[str, str, str | None]) -> bool:
         """Whether calls of operator ``key`` are decided per call (scope or tag)."""
+        if self.needs_region:  # a region target names every operator called inside it
+            return True
         if key == ("prime_ac", "tag", "default"):
             return any(t.operator is None for t in self.targets)
         return any(t.operator is not None and t.names(key, None) for t in self.targets)
 
-    def keeps(self, op: Any, args: tuple, sid: int) -> bool:
-        """Whether the call of ``op`` with ``args`` in scope ``sid`` is kept: a dict lookup once
-        the (operator, tag, scope) was seen."""
+    def keeps(self, op: Any, args: tuple, sid: int, rid: int = 0) -> bool:
+        """Whether the call of ``op`` with ``args`` in scope ``sid`` (and torch_remat regions
+        ``rid``, :mod:`prime_ac.remat`) is kept: a dict lookup once the (operator, tag, scope,
+        regions) was seen."""
         name = args[1] if op is TAG_OP else None
-        key = (id(op), name, sid)  # operators are process-lifetime singletons; id() hashes fast
+        key = (id(op), name, sid, rid)  # operators are process-lifetime singletons: id() is fast
         decision = self._decisions.get(key)
         if decision is None:
             path = self.tracker.paths[sid]
-            decision = self._decisions[key] = self.decide(operator_key(op), path, name)
+            decision = self._decisions[key] = self.decide(
+                operator_key(op), path, name, region_names(rid)
+            )
         return decision
 
     def keeps_here(self, op: Any, args: tuple) -> bool:
@@ -418,23 +445,42 @@ class ScopeRules:
         path of prime_ac's own modes, so :meth:`keeps` is inlined)."""
         stack = self._stack
         sid = stack[-1] if stack else 0
-        decision = self._decisions.get((id(op), args[1] if op is TAG_OP else None, sid))
-        return self.keeps(op, args, sid) if decision is None else decision
+        rid = current_region() if self.needs_region else 0
+        decision = self._decisions.get((id(op), args[1] if op is TAG_OP else None, sid, rid))
+        return self.keeps(op, args, sid, rid) if decision is None else decision
 
     def keeps_now(self, op: Any, args: tuple) -> bool:
         """:meth:`keeps` where the code runs: inside a submodule, eager code has the hooks'
         stack; traced code (torch.compile) has its node's module stack."""
+        tracing = is_tracing()
+        if self.needs_region and tracing:
+            raise NotImplementedError(
+                f"prime_ac: region targets ({', '.join(str(t) for t in self.targets)}) read the "
+                "torch_remat.region calls of an eager forward; torch.compile traces them away. "
+                "Run these blocks eagerly, or name the operators instead "
+                "('<scope>/<target>', docs/checkpointing.md)"
+            )
         stack = self._stack
         if stack:
-            return self.keeps(op, args, stack[-1])
-        return self.keeps(op, args, self.tracker.compiled() if is_tracing() else 0)
+            return self.keeps(op, args, stack[-1], current_region() if self.needs_region else 0)
+        return self.keeps(op, args, self.tracker.compiled() if tracing else 0)
 
     def decide(
-        self, key: tuple[str, str, str | None], path: tuple[str, ...], tag_name: str | None = None
+        self,
+        key: tuple[str, str, str | None],
+        path: tuple[str, ...],
+        tag_name: str | None = None,
+        regions: tuple[str, ...] = (),
     ) -> bool:
         """Keep a call of operator ``key`` (or of the tag ``tag_name``) in the submodule at
-        ``path``? Forced replay beats any keep; otherwise any matching target keeps it."""
-        named = [t for t in self.targets if t.names(key, tag_name) and t.within(path)]
+        ``path``, inside the torch_remat regions ``regions``? Forced replay beats any keep;
+        otherwise any matching target keeps it."""
+        named = [
+            t
+            for t in self.targets
+            if (t.names(key, tag_name) and t.within(path))
+            or (t.region is not None and any(fnmatchcase(r, t.region) for r in regions))
+        ]
         if any(t.replay for t in named):
             return False
         return bool(named) or (tag_name is None and self.plain.matches(key))
@@ -456,7 +502,15 @@ def scope_problems(
     }
     problems = []
     for target in scoped:
-        if target.scope and not any(target.within(p) for p in paths):
+        if target.region is not None and not remat_available():
+            problems.append(
+                (
+                    str(target),
+                    "names a torch_remat region, and torch_remat is not installed "
+                    "(pip install torch-remat): no call is inside one",
+                )
+            )
+        elif target.scope and not any(target.within(p) for p in paths):
             problems.append((str(target), "names a scope that matches no submodule of a block"))
         elif target.operator is not None:
             reason = target.operator.problem()

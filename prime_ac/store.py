@@ -10,11 +10,18 @@ included), the kept result is replaced by a copy taken just before the write, so
 receives the value the forward saw; kept results sharing that storage get views of one copy, so
 they stay one storage in the recompute. A kept result modified where no mode sees it (after the
 block returned) cannot be recovered and raises :class:`KeptOutputMutatedError` in the backward.
+
+Saved-tensor hooks (``checkpoint_blocks(..., respect_saved_tensors_hooks=True)``): the
+``saved_tensors_hooks`` in effect around the region's forward pack every kept result when the
+forward ends (after the last copy on write) and unpack them when the recompute starts; while
+one packs, :func:`saved_tensor_kind` says what it is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -22,7 +29,83 @@ from torch.utils.checkpoint import CheckpointError
 
 from prime_ac import _compat
 
-__all__ = ["KeptOutputMutatedError", "KeptResult", "RegionStore", "ReplayMismatchError"]
+__all__ = [
+    "CHECKPOINT_INPUT",
+    "KEPT",
+    "KEPT_CALL",
+    "KeptOutputMutatedError",
+    "KeptResult",
+    "RegionStore",
+    "ReplayMismatchError",
+    "packed_as",
+    "respecting_saved_tensors_hooks",
+    "saved_tensor_kind",
+]
+
+CHECKPOINT_INPUT = "checkpoint_input"  # a block's positional tensor input, saved by checkpoint
+KEPT = "kept"  # an operator result the policy keeps
+KEPT_CALL = "kept_call"  # the output of a call wrapped in prime_ac.keep
+
+# ``hooks``: the (pack, unpack) a region being entered now respects; ``kind``: what is packed now
+_local = threading.local()
+
+
+def saved_tensor_kind() -> str | None:
+    """While a saved-tensor pack hook runs for prime_ac, what it packs: ``"checkpoint_input"``
+    (a checkpointed block's input), ``"kept"`` (an operator result the policy keeps) or
+    ``"kept_call"`` (the output of a :func:`prime_ac.keep` call); None for any other tensor
+    autograd saves. Kept results reach the hooks only with
+    ``checkpoint_blocks(..., respect_saved_tensors_hooks=True)``.
+
+    Example::
+
+        def pack(t):
+            kind = prime_ac.saved_tensor_kind()  # "kept", "checkpoint_input", ... or None
+            return t.to("cpu") if kind == "kept" else t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t.to(device)):
+            model(x).sum().backward()
+    """
+    return getattr(_local, "kind", None)
+
+
+def packed_as(kind: str, pack: Any) -> Any:
+    def tagged(t: torch.Tensor) -> Any:
+        prior, _local.kind = getattr(_local, "kind", None), kind
+        try:
+            return pack(t)
+        finally:
+            _local.kind = prior
+
+    return tagged
+
+
+@contextmanager
+def respecting_saved_tensors_hooks() -> Iterator[None]:
+    """Around one checkpointed call: the stores made inside pack their kept results with the
+    saved-tensor hooks in effect here, and the call's inputs are packed tagged
+    :data:`CHECKPOINT_INPUT` (torch's checkpoint saves them before its own hooks shadow these)."""
+    hooks = _compat.top_saved_tensors_hooks()
+    if hooks is None:
+        yield
+        return
+    prior, _local.hooks = getattr(_local, "hooks", None), hooks
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(
+            packed_as(CHECKPOINT_INPUT, hooks[0]), hooks[1]
+        ):
+            yield
+    finally:
+        _local.hooks = prior
+
+
+class _Packed:
+    """A kept tensor as a saved-tensor pack hook returned it, and the storage it came from."""
+
+    __slots__ = ("storage", "value")
+
+    def __init__(self, value: Any, storage: int | None):
+        self.value, self.storage = value, storage
 
 
 class ReplayMismatchError(CheckpointError):
@@ -102,6 +185,7 @@ class RegionStore:
         "forward_calls",
         "held",
         "hits",
+        "hooks",
         "name",
         "offload_calls",
         "offload_ops",
@@ -123,6 +207,7 @@ class RegionStore:
         self.offloader: Any = None
         self.offload_calls: frozenset = frozenset()
         self.offload_ops: Any = None
+        self.hooks = getattr(_local, "hooks", None)  # see respecting_saved_tensors_hooks
 
     def keeps(self) -> bool:
         """Whether the forward kept anything (else the recompute runs with no mode at all)."""
@@ -216,12 +301,38 @@ class RegionStore:
         self.held = {}  # only writes inside the forward are copied
         if self.offloader is not None:
             self.offloader.forward_done(self)
+        if self.hooks is not None:
+            self._pack(self.hooks[0])
+
+    def _pack(self, pack: Any) -> None:
+        for op, entries in self.entries.items():
+            packs = packed_as(KEPT_CALL if getattr(op, "kept_call", False) else KEPT, pack)
+            for kept in entries.values():
+                tensors = kept.tensors
+                for i, t in enumerate(tensors):
+                    if isinstance(t, torch.Tensor):
+                        tensors[i] = _Packed(packs(t), _compat.storage_id(t))
+
+    def _unpack(self, unpack: Any) -> None:
+        """Each kept tensor back; one in a storage other than the one packed is a copy, which
+        no later write to the original reaches (its version is its own)."""
+        for entries in self.entries.values():
+            for kept in entries.values():
+                if kept is _CONSUMED:
+                    continue
+                for i, t in enumerate(kept.tensors):
+                    if isinstance(t, _Packed):
+                        value = kept.tensors[i] = unpack(t.value)
+                        if _compat.storage_id(value) != t.storage:
+                            kept.versions[i] = _compat.version(value)
 
     # --- recompute ----------------------------------------------------------------------------
 
     def start_recompute(self) -> None:
         # a second backward finds consumed entries, not shifted indices
         self.replay_calls = {}
+        if self.hooks is not None:
+            self._unpack(self.hooks[1])
         if self.offloader is not None:
             self.offloader.bring_back(self)
 

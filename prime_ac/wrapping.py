@@ -219,7 +219,7 @@ def wrap_block(block: nn.Module, state: BlockCheckpoint) -> None:
             state.plan.kept,
             state.plan.offloaded,
             f"block {state.name!r}",
-            block=True,
+            block=original,
         )
     setattr(block, _STATE, dataclasses.replace(state, original_class=original, compiled=compiled))
 

@@ -17,13 +17,13 @@ PACKAGE = Path(__file__).parents[1] / "prime_ac"
 
 # Each module may import only modules of a lower layer (the entry points sit on top).
 LAYERS = [
-    {"_compat", "models", "tables", "planner", "offload"},
+    {"_compat", "models", "tables", "planner", "offload", "remat"},
     {"targets", "actions", "store", "ranks"},
     {"scopes"},
     {"policy"},
     {"config", "offload_targets"},
     {"modes", "layer_modes"},
-    {"watch"},
+    {"watch", "keep"},
     {"contexts"},
     {"region", "discovery", "measure"},
     {"wrapping"},

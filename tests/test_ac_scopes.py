@@ -194,8 +194,8 @@ def test_compiled_regions_decide_scopes_and_tags_as_eager_does():
     seen = []
     keeps = scoped.keeps
 
-    def spy(op, args, sid):
-        decision = keeps(op, args, sid)
+    def spy(op, args, sid, rid=0):
+        decision = keeps(op, args, sid, rid)
         seen.append(
             (str(op), args[1] if op is torch.ops.prime_ac.tag.default else None, sid, decision)
         )
