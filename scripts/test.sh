@@ -31,11 +31,23 @@ if [[ $torch_version == 2.13.0 ]]; then default_venv=.venv-test; else default_ve
 . scripts/_venv.sh
 prime_ops_venv "${PRIME_OPS_VENV:-$default_venv}" "$torch_version" test $fresh
 workers=(-n auto)
+browser_test=1 # tests/test_ac_report_html.py runs: with no test path, or when named
 for arg in "$@"; do
     case $arg in
+    tests* | */tests/* | *.py | *::*) [[ $browser_test == 1 ]] && browser_test=0 ;;&
+    *test_ac_report_html* | tests | tests/) browser_test=2 ;;&
     -n | -n* | --numprocesses*) workers=() ; break ;;
     tests* | */tests/* | *.py | *::*) workers=() ;;
     esac
 done
+# That test renders a page in headless Chromium: Debian's is installed once where it is missing
+# and apt-get can (as root); where it cannot, the test skips and says why.
+if ((browser_test)) && ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 &&
+    [[ $(id -u) == 0 ]]; then
+    echo "scripts/test.sh: installing chromium for tests/test_ac_report_html.py" >&2
+    { apt-get install -y -qq --no-install-recommends chromium ||
+        { apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium; }; } \
+        >/dev/null 2>&1 || echo "scripts/test.sh: chromium could not be installed" >&2
+fi
 echo "torch $torch_version: python -m pytest ${workers[*]} --durations=15 $*" >&2
 python -m pytest "${workers[@]}" --durations=15 "$@"
