@@ -451,8 +451,8 @@ def _remat_forwards(selected: list[tuple[str, nn.Module]]) -> dict[int, Any]:
         ):
             taken[id(block)] = shadow
         else:
-            what = "torch_remat's checkpoint" if is_remat_checkpoint(shadow) else type(shadow)
-            refused.append(f"{name!r} (instance attribute forward = {getattr(what, '__qualname__', what)})")
+            what = "torch_remat's checkpoint" if is_remat_checkpoint(shadow) else _kind(shadow)
+            refused.append(f"{name!r} (instance attribute forward = {what})")
     if refused:
         raise ValueError(
             f"checkpoint_blocks: {len(refused)} selected block(s) would not run prime_ac's "
@@ -472,6 +472,10 @@ def _remat_forwards(selected: list[tuple[str, nn.Module]]) -> dict[int, Any]:
             len(taken),
         )
     return taken
+
+
+def _kind(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__qualname__
 
 
 def _warn_on_own_checkpointing(model: nn.Module) -> None:

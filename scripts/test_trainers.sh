@@ -5,8 +5,9 @@
 #   bash scripts/test_trainers.sh [--fresh] [PYTEST ARGS...]
 #
 # .venv-trainers holds torch 2.13.0 (CPU), this project with its test extra (transformers,
-# diffusers, accelerate), and torchtitan 0.3.0, peft 0.21.2 and TRL 1.16.0. Those three and
-# spmd_types go in with --no-deps: torchtitan's own requirements (torchdata, torch_checkpointing,
+# diffusers, accelerate), and torchtitan 0.3.0, peft 0.21.2, TRL 1.16.0 and torch-remat 0.2.2
+# (torchtitan main's checkpointing engine; it requires torch only). Those and spmd_types go in
+# with --no-deps: torchtitan's own requirements (torchdata, torch_checkpointing,
 # wandb, ...) would pull another torch, and none of them is needed to build its models. The
 # light dependencies they import are installed with torch pinned, so nothing can move it.
 # FastVideo is not installed: it pins torch 2.12 and imports torchvision, whose PyPI build needs
@@ -24,7 +25,7 @@ if [[ ${1:-} == --fresh ]]; then
 fi
 venv=${PRIME_OPS_TRAINERS_VENV:-.venv-trainers}
 
-no_deps=(torchtitan==0.3.0 peft==0.21.2 trl==1.16.0 spmd_types==0.2.3)
+no_deps=(torchtitan==0.3.0 peft==0.21.2 trl==1.16.0 spmd_types==0.2.3 torch-remat==0.2.2)
 light=(tyro==1.0.17 einops==0.8.2 datasets==4.7.0)
 
 . scripts/_venv.sh

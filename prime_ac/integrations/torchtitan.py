@@ -25,14 +25,33 @@ them as matching nothing, so ``strict=True`` raises only for what a ``SelectiveA
 adds to the list. Importing this module registers :func:`config_from_table` with
 :mod:`prime_ac.tables`, which imports it when ``ACConfig.from_dict`` meets a torchtitan table.
 
+torchtitan's main branch (after 0.3.0) moved these onto torch_remat; its configs are read by
+class name and fields, so no torchtitan newer than 0.3.0 need be installed:
+
+- ``FullAC``: ``mode="full"``.
+- ``RegionAC(save_regions, recompute_regions)``: each glob becomes a ``"region:<glob>"``
+  target (``"!region:<glob>"`` for ``recompute_regions``, which win, as in torchtitan): the calls
+  inside the model's ``torch_remat.region`` call sites are kept, everything else replays.
+  Blocks with ``configure_remat_regions`` get the patterns as torchtitan hands them, so the
+  model names its regions relative to the block.
+- ``SelectiveAC`` (every declared region, a fixed preset): ``RegionAC`` with its own fields.
+- ``MemoryBudgetAC``: as for 0.3.0.
+- Refused by name: a ``RegionAC`` policy whose ``get_saved_tensors_hooks`` is overridden
+  (per-block hooks; prime_ac applies the ambient ones with ``respect_saved_tensors_hooks``),
+  ``debug=True``, and any field this adapter does not know.
+
 Blocks are torchtitan's: the children of ``model.layers``. Applying again replaces the
-settings; ``None`` stops checkpointing.
+settings; ``None`` stops checkpointing. A block torchtitan already wrapped
+(``block.forward = remat.checkpoint(...)(block.forward)``) is taken over by
+:func:`prime_ac.checkpoint_blocks`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
+import sys
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from functools import partial
@@ -123,7 +142,7 @@ _READ_BY = {
 class _Settings:
     """One torchtitan AC configuration, from a config object or a table."""
 
-    kind: str  # "full", "selective", "memory_budget" or "none"
+    kind: str  # "full", "selective", "region", "memory_budget" or "none"
     freq: int = 1  # pre-0.3 layer-selective AC: every freq-th block, fully
     save: tuple[str, ...] = supplied(SAVE_TARGETS)  # what the user's own list adds is not
     force_fqns: tuple[str, ...] = ("moe.router.gate",)
@@ -135,6 +154,14 @@ class _Settings:
     # None keeps prime_ac's default, which stops once backward has its inputs: same gradients,
     # less replay. A table's own early_stop is passed on.
     early_stop: bool | None = None
+    # torchtitan main's RegionAC: torch_remat region name globs, relative to a block
+    save_regions: tuple[str, ...] = ()
+    recompute_regions: tuple[str, ...] = ()
+
+    def region_targets(self) -> list[str]:
+        return [f"region:{g}" for g in self.save_regions] + [
+            f"!region:{g}" for g in self.recompute_regions
+        ]
 
 
 def save_targets(save_ops: Any) -> tuple[str, ...]:
@@ -229,6 +256,7 @@ def apply_ac(
     profile: Callable[[nn.Module], torch.Tensor] | None = None,
     blocks: Any = "layers",
     strict: bool = False,
+    respect_saved_tensors_hooks: bool = False,
 ) -> list[str]:
     """Apply a torchtitan AC config to ``model`` with prime_ac; returns the wrapped blocks.
 
@@ -238,7 +266,9 @@ def apply_ac(
     runs one forward of the model and returns the loss: ``SelectiveAC`` needs it for the
     every-second-mm rule (without it every mm is kept, and a warning says so), and
     ``MemoryBudgetAC`` to measure the memory it may use. ``blocks`` are torchtitan's unless
-    given (see :func:`prime_ac.find_blocks`); ``strict`` is checkpoint_blocks'.
+    given (see :func:`prime_ac.find_blocks`); ``strict`` and ``respect_saved_tensors_hooks``
+    are checkpoint_blocks'. torchtitan main's torch_remat configs (``RegionAC.Config``, ...)
+    are read by name and fields (see the module docstring).
 
     Call it where torchtitan's ``parallelize_*`` calls ``ac_config.build().apply(model)``:
     after the model is built, before ``torch.compile`` and FSDP.
@@ -261,9 +291,17 @@ def apply_ac(
         return []
     _check_unsupported(settings)
     extra = _extra_fields(settings)
-    common = dict(blocks=blocks, strict=strict)
+    common = dict(
+        blocks=blocks, strict=strict, respect_saved_tensors_hooks=respect_saved_tensors_hooks
+    )
     if "preserve_rng_state" not in extra:
         common["preserve_rng_state"] = settings.preserve_rng_state
+    if settings.kind == "region":
+        for group in find_blocks(model, blocks):
+            for _, block in group:
+                _configure_regions(block, settings)
+        config = ACConfig(mode="selective", targets=settings.region_targets(), **extra)
+        return checkpoint_blocks(model, config=config, **common)
     if settings.kind == "full":
         return checkpoint_blocks(
             model, config=ACConfig(mode="full", freq=settings.freq, **extra), **common
@@ -424,6 +462,9 @@ def _from_object(config: Any) -> _Settings:
             f"SelectiveAC.Config(), MemoryBudgetAC.Config()) or a table such as "
             f"{{'mode': {config!r}}}"
         )
+    remat = _remat_settings(config)
+    if remat is not None:
+        return remat
     from torchtitan.distributed import activation_checkpoint as tt
 
     policy = config if isinstance(config, tt.ActivationCheckpointing) else None
@@ -466,6 +507,95 @@ _PARETO = (
     "prime_ac's eager budget does not have: drop it (prime_ac.audit(model, loss_fn) reports "
     "what the budget keeps)"
 )
+
+
+# torchtitan main's torch_remat-based configs (not in 0.3.0): the fields each reads
+_REMAT_COMMON = {"preserve_rng_state", "determinism_check", "debug"}
+_REMAT_FIELDS = {
+    "FullAC": _REMAT_COMMON,
+    "RegionAC": _REMAT_COMMON | {"save_regions", "recompute_regions"},
+    "SelectiveAC": _REMAT_COMMON | {"save_regions", "recompute_regions"},
+    "MemoryBudgetAC": _REMAT_COMMON | {"memory_budget", "visualize_memory_budget_pareto"},
+}
+_OP_SAC_FIELDS = {"force_recompute_mm_shapes_by_fqns", "early_stop"}  # 0.3.0's, not main's
+
+
+def _remat_settings(config: Any) -> _Settings | None:
+    """The settings of a torchtitan main config (``RegionAC.Config``, ...) or a policy built
+    from one, read by class name and fields; None for anything else (0.3.0's classes, which
+    :func:`_from_object` reads from torchtitan itself)."""
+    policy = None
+    if hasattr(config, "config") and any(c.__name__ in _REMAT_FIELDS for c in type(config).__mro__):
+        policy, config = config, config.config
+    owner, _, inner = type(config).__qualname__.rpartition(".")
+    if inner != "Config" or owner not in _REMAT_FIELDS or not dataclasses.is_dataclass(config):
+        return None
+    fields = {f.name for f in dataclasses.fields(config)}
+    if _installed_0_3(config) or (owner != "RegionAC" and fields & _OP_SAC_FIELDS):
+        return None
+    unknown = sorted(fields - _REMAT_FIELDS[owner])
+    if unknown:
+        raise ValueError(
+            f"{owner}.Config field(s) {unknown} have no meaning prime_ac knows: "
+            f"prime_ac reads {sorted(_REMAT_FIELDS[owner])}; leave them at their defaults and "
+            "drop them, or use prime_ac.checkpoint_blocks directly"
+        )
+    hooks = getattr(type(policy), "get_saved_tensors_hooks", None)
+    if policy is not None and hooks is not None and hooks.__qualname__.split(".")[-2] != "RegionAC":
+        raise ValueError(
+            f"{type(policy).__name__}.get_saved_tensors_hooks hands torch_remat saved-tensor "
+            "hooks per block; prime_ac takes none per block: wrap the step in "
+            "torch.autograd.graph.saved_tensors_hooks(pack, unpack) and pass "
+            "apply_ac(..., respect_saved_tensors_hooks=True) (prime_ac.saved_tensor_kind() tells "
+            "pack what it packs)"
+        )
+    common = dict(
+        preserve_rng_state=config.preserve_rng_state,
+        determinism_check=config.determinism_check,
+        debug=config.debug,
+    )
+    if owner == "FullAC":
+        return _Settings("full", **common)
+    if owner == "MemoryBudgetAC":
+        if config.visualize_memory_budget_pareto:
+            raise ValueError(_PARETO)
+        return _Settings("memory_budget", memory_budget=config.memory_budget, **common)
+    # SelectiveAC without fields of its own saves every declared region (torchtitan: ["*"])
+    save = getattr(config, "save_regions", ["*"])
+    recompute = getattr(config, "recompute_regions", [])
+    for name, value in (("save_regions", save), ("recompute_regions", recompute)):
+        if isinstance(value, str) or not all(isinstance(g, str) for g in value):
+            raise ValueError(f"{owner}.Config.{name}={value!r} must be a list of glob strings")
+    return _Settings(
+        "region", save_regions=tuple(save), recompute_regions=tuple(recompute), **common
+    )
+
+
+def _installed_0_3(config: Any) -> bool:
+    """Whether ``config``'s class is the installed torchtitan's (0.3.0, read by isinstance)."""
+    module = sys.modules.get("torchtitan.distributed.activation_checkpoint")
+    return module is not None and type(config).__module__ == module.__name__ and not hasattr(
+        module, "RegionAC"
+    )
+
+
+def _configure_regions(block: nn.Module, settings: _Settings) -> None:
+    """What torchtitan's RegionAC does before it wraps a block: hand its save patterns to a
+    block that takes them (``configure_remat_regions``: the model names its regions relative to
+    the block). Its one-argument form takes the save patterns; the two-argument form also the
+    recompute patterns."""
+    configure = getattr(block, "configure_remat_regions", None)
+    if not callable(configure):
+        return
+    required = [
+        p
+        for p in inspect.signature(configure).parameters.values()
+        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    if len(required) >= 2:
+        configure(list(settings.save_regions), list(settings.recompute_regions))
+    else:
+        configure(list(settings.save_regions))
 
 
 def _from_table(table: Mapping[str, Any]) -> _Settings:
