@@ -69,6 +69,12 @@ def resolve(group: Any) -> Any:
     import torch.distributed as dist
 
     initialized = dist.is_available() and dist.is_initialized()
+    # dist.new_group returns this sentinel, not a group, to the ranks it leaves out
+    if initialized and group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"group=: rank {dist.get_rank()} is not a member of the group it passed; pass the "
+            "group this rank belongs to (such as its pipeline stage's)"
+        )
     if group is not None and not (initialized and isinstance(group, dist.ProcessGroup)):
         raise TypeError(
             f"group={group!r}: pass a torch.distributed process group (the ranks that plan "
@@ -77,11 +83,6 @@ def resolve(group: Any) -> Any:
     if not initialized:
         return None
     group = dist.group.WORLD if group is None else group
-    if dist.get_rank(group) < 0:
-        raise ValueError(
-            f"group=: rank {dist.get_rank()} is not a member of the group it passed; pass the "
-            "group this rank belongs to (such as its pipeline stage's)"
-        )
     return group if dist.get_world_size(group) > 1 else None
 
 

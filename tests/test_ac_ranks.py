@@ -210,6 +210,9 @@ def _stages(rank, world_size):
     half = world_size // 2
     groups = [dist.new_group(list(range(half))), dist.new_group(list(range(half, world_size)))]
     stage = rank // half
+    error, count = _plan(rank, 40 * 2**10, blocks=2 + stage, group=groups[1 - stage])
+    assert isinstance(error, ValueError) and count == 0  # before any collective
+    assert f"group=: rank {rank} is not a member" in str(error), error
     model, count = _plan(rank, 40 * 2**10, blocks=2 + stage, group=groups[stage])
     assert not isinstance(model, Exception), model
     plans = _everyone(_plan_of(model), groups[stage])
