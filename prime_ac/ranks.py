@@ -57,8 +57,8 @@ _FIX = (
 
 class RanksError(RuntimeError):
     """The ranks planning together cannot agree: their blocks or budget kinds differ, or a
-    rank's profile raised. Raised on every rank of the group (the failing rank raises its own
-    error)."""
+    rank's profile or measured step raised. Raised on every rank of the group (a failing rank
+    raises its own error)."""
 
 
 def resolve(group: Any) -> Any:
@@ -120,8 +120,8 @@ def _raise_for_failures(group: Any, rows: list[list[int]], doing: str) -> None:
     failed = [m for m, row in enumerate(rows) if row[0]]
     if failed:
         raise RanksError(
-            f"prime_ac: {_ranks(group, failed)} raised while {doing} (its own error is in its "
-            "output); the ranks planning together stop here instead of waiting for it"
+            f"prime_ac: {_ranks(group, failed)} raised while {doing} (the error is in that "
+            "rank's output); the ranks planning together stop here instead of waiting"
         )
 
 
