@@ -42,10 +42,16 @@ import torch
 from torch import nn
 
 from prime_ac import planner, ranks
-from prime_ac._compat import returns_alias, schema_is_mutable
+from prime_ac._compat import returns_alias, schema_is_mutable, tree_leaves
 from prime_ac.audit import _grads_preserved, audit, op_name
 from prime_ac.contexts import checkpoint_contexts, with_recipe
-from prime_ac.measure import CallTimer, copy_bandwidth, measure_peak
+from prime_ac.measure import (
+    CallTimer,
+    PeakTracker,
+    copy_bandwidth,
+    measure_peak,
+    rng_states_counted,
+)
 from prime_ac.modes import Rules
 from prime_ac.offload import Offloader
 from prime_ac.policy import OperatorPolicy
@@ -370,9 +376,15 @@ def plan_budget(
     profile: Callable[[nn.Module], torch.Tensor],
     budget: Any,
     group: Any = None,
+    host_cap: Any = None,
 ) -> dict[str, BlockPlan]:
     """Profile one step of the full-mode-wrapped ``model`` and plan each checkpointed block,
     together with the ranks of ``group`` (:mod:`prime_ac.ranks`).
+
+    A peak budget's offloads hold at most ``host_cap`` bytes on the host (an int or a string
+    such as ``"64GiB"``; None: no cap). On CPU, where host and device are one memory, an
+    offload frees nothing, so none is planned unless ``host_cap`` is given. The audit's
+    full-mode step is measured phase by phase (:class:`StepMemory`) for the planner.
 
     Returns ``{block name: plan}``; the model is left as it was (the caller applies the plans).
     """
@@ -381,21 +393,30 @@ def plan_budget(
     # a peak budget on CUDA: each call's replay time as measured, and the host link's bandwidth
     peak = not isinstance(budget, (float, Mapping))  # bytes: an int or "24GiB"
     kind = "peak" if peak else "fraction" if isinstance(budget, float) else "per-block"
+    cap = None if host_cap is None else planner.parse_bytes(host_cap, "host_cap")
+    one_memory = device is None or device.type == "cpu"
+    if peak and cap is None and one_memory:
+        cap = 0
     timer = None
+    blocks = wrapped_blocks(model)
     with ranks.failures_reported(group):
         if peak and device is not None and device.type == "cuda":
-            timer = CallTimer(wrapped_blocks(model))
-        with timer or contextlib.nullcontext():
-            report = audit(model, profile)
+            timer = CallTimer(blocks)
+        phases = _phases_measured(blocks, profile, one_memory) if peak else None
+        with timer or contextlib.nullcontext(), phases or contextlib.nullcontext() as measured:
+            tracker, profiled = measured or (None, profile)
+            with tracker or contextlib.nullcontext():
+                report = audit(model, profiled)
         link = copy_bandwidth(device) if peak else None
     limit = planner.parse_bytes(budget) if peak else 0
     calls = {name: report.calls.get(name, []) for name in report.blocks}
     structure = [(name, [op_name(c.op) for c in calls[name]]) for name in report.blocks]
-    limit, link, _ = ranks.check(group, kind, structure, limit, link)
+    limit, link, cap = ranks.check(group, kind, structure, limit, link, cap)
     no_ac = report.block_held_bytes_no_ac
     if peak:
         measured = timer.seconds() if timer is not None else {}
-        return _calibrated(model, profile, report, limit, measured, link, group)
+        memory = tracker.memory() if tracker.started else None
+        return _calibrated(model, profile, report, limit, measured, link, group, cap, memory)
     if isinstance(budget, float):
         held = {
             name: sum(c.bytes for c in calls[name] if c.decision == "mandatory")
@@ -417,17 +438,26 @@ FLOP_RATE = 1e12
 
 
 def profiles(
-    report: Any, seconds: Mapping[tuple, float] | None = None, group: Any = None
+    report: Any,
+    seconds: Mapping[tuple, float] | None = None,
+    group: Any = None,
+    memory: StepMemory | None = None,
 ) -> list[planner.BlockProfile]:
     """The audit's profiled calls as the peak planner's blocks, agreed with the ranks of
     ``group`` (resolved: :func:`prime_ac.ranks.agree`).
 
     A call's replay time is ``seconds[(block, op, index)]`` where it was measured
-    (:class:`prime_ac.measure.CallTimer`, on CUDA), else its FLOPs at ``FLOP_RATE``.
+    (:class:`prime_ac.measure.CallTimer`, on CUDA), else its FLOPs at ``FLOP_RATE``. What
+    autograd saved for each block without checkpointing (measured in the same step) is its
+    recompute's working set.
 
-    What the model holds whatever its blocks keep (their inputs, activations outside the
-    blocks) is spread over the blocks' inputs; what autograd saved for each block without
-    checkpointing (measured in the same step) is its recompute's working set.
+    What the step holds beyond the blocks' results (their inputs, the embeddings, the logits
+    and the loss, saved RNG states, temporaries and gradients in flight) comes from ``memory``,
+    the profiled step's phases (:func:`plan_budget` measures them): each phase's measured most
+    less what the simulator counts for the profiled plan becomes that phase's extra bytes, so
+    the logits count after the last block's forward, not in every block. Without ``memory``,
+    what the full-mode step held beyond the mandatory results is spread over the blocks'
+    inputs, which misses the loss's own peak.
     """
     mandatory = sum(
         c.bytes
@@ -453,8 +483,129 @@ def profiles(
             size = 0 if kind == "view" else c.bytes  # a view or an in-place write: no new bytes
             calls.append(planner.Call(op_name(c.op), c.index, size, time, kind))
         saved = report.block_held_bytes_no_ac.get(name)
-        blocks.append(planner.BlockProfile(name, tuple(calls), base, saved))
-    return ranks.agree(blocks, group)
+        blocks.append(planner.BlockProfile(name, tuple(calls), 0 if memory else base, saved))
+    return ranks.agree(blocks if memory is None else _with_extras(blocks, memory), group)
+
+
+@dataclass
+class StepMemory:
+    """The most a full-mode step held in each phase, by
+    :class:`prime_ac.measure.PeakTracker`'s ledger (live storages operators created, plus
+    saved RNG states on CPU): ``forward[block]`` from the end of the block before (the
+    embeddings before the first) to the block's end, ``backward[block]`` from the gradient of
+    the block's output to that of the block before (the first block's to the end of the step),
+    ``after`` from the last block's forward to its backward (the loss and its gradient)."""
+
+    forward: dict[str, int] = field(default_factory=dict)
+    backward: dict[str, int] = field(default_factory=dict)
+    after: int | None = None
+
+
+def _with_extras(
+    blocks: list[planner.BlockProfile], memory: StepMemory
+) -> list[planner.BlockProfile]:
+    """``blocks`` with each measured phase's bytes beyond what the simulator counts for the
+    profiled plan (mandatory results kept, the rest replayed) as its extras; a phase the
+    simulator counts above its measurement adds nothing (the prediction stays above)."""
+    extended, before = [], 0  # before: what the blocks before keep
+    for i, block in enumerate(blocks):
+        kept = sum(c.bytes for c in block.calls if c.kind == "mandatory")
+        forward, running = 0, 0
+        for c in block.calls:
+            forward = max(forward, running + c.bytes)
+            running += c.bytes if c.kind == "mandatory" else 0
+        backward = block.working_bytes(kept)
+        extras = {
+            "forward_extra": max(memory.forward.get(block.name, 0) - before - forward, 0),
+            "backward_extra": max(memory.backward.get(block.name, 0) - before - backward, 0),
+        }
+        before += kept
+        if i == len(blocks) - 1 and memory.after is not None:
+            extras["after_bytes"] = max(memory.after - before, 0)
+        extended.append(dataclasses.replace(block, **extras))
+    return extended
+
+
+class _PhaseTracker(PeakTracker):
+    """:class:`prime_ac.measure.PeakTracker` counting from :meth:`start` (the full-mode step
+    of the audit), with the most held in each ``phase`` that hooks set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started = False
+        self.phase: tuple[str, str | None] | None = None
+        self.most: dict[tuple[str, str | None], int] = {}
+
+    def start(self) -> None:
+        self.started = True
+        self.alive = self.peak = self.states = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.started:
+            return func(*args, **(kwargs or {}))
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.phase is not None:
+            here = self.held()
+            self.most[self.phase] = max(self.most.get(self.phase, here), here)
+        return out
+
+    def memory(self) -> StepMemory:
+        found = StepMemory(after=self.most.get(("after", None)))
+        for (where, name), most in self.most.items():
+            if name is not None:
+                getattr(found, where)[name] = most
+        return found
+
+
+@contextlib.contextmanager
+def _phases_measured(
+    blocks: list[tuple[str, nn.Module]], profile: Callable, rng: bool
+) -> Iterator[tuple[_PhaseTracker, Callable]]:
+    """A :class:`_PhaseTracker` to enter around the audit, and the profile to give it: the
+    tracker starts at the first step whose blocks checkpoint (the audit's full-mode step, not
+    its no-AC one) and block hooks mark the phases (a gradient hook on each block's output
+    marks where its backward starts). ``rng``: count the RNG states the blocks save (CPU)."""
+    tracker = _PhaseTracker()
+    names = [name for name, _ in blocks]
+    def checkpointing() -> bool:
+        return all(checkpoint_state(b) is not None for _, b in blocks)
+
+    def measured_profile(model: nn.Module) -> Any:
+        if checkpointing() and not tracker.started:
+            tracker.start()
+            tracker.phase = ("forward", names[0])
+        elif not checkpointing():
+            tracker.phase = None
+        return profile(model)
+
+    def backward_starts(name: str, handle: list, grad: torch.Tensor) -> None:
+        handle[0].remove()
+        if tracker.phase is not None:
+            tracker.phase = ("backward", name)
+
+    def forward_done(index: int, module: nn.Module, args: Any, out: Any) -> None:
+        if tracker.phase is None:
+            return
+        following = names[index + 1] if index + 1 < len(names) else None
+        tracker.phase = ("forward", following) if following else ("after", None)
+        grad = next(
+            (t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad), None
+        )
+        if grad is not None:
+            handle: list = []
+            starts = functools.partial(backward_starts, names[index], handle)
+            handle.append(grad.register_hook(starts))
+
+    hooks = [
+        block.register_forward_hook(functools.partial(forward_done, i))
+        for i, (_, block) in enumerate(blocks)
+    ]
+    try:
+        with rng_states_counted(tracker, [b for _, b in blocks if rng]):
+            yield tracker, measured_profile
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def plan_peak(
@@ -464,13 +615,16 @@ def plan_peak(
     seconds: Mapping[tuple, float] | None = None,
     bandwidth: float | None = None,
     group: Any = None,
+    memory: StepMemory | None = None,
 ) -> dict[str, BlockPlan]:
     """Plans for every block of ``report`` meeting a peak of ``budget`` bytes (keep / offload /
     replay per call), sharing one offloader. ``seconds`` are measured replay times (see
     :func:`profiles`); ``bandwidth`` the measured copy bandwidth (None: the stated default);
-    ``group`` the (resolved) ranks planning together."""
+    ``group`` the (resolved) ranks planning together; ``memory`` the profiled step's phases
+    (:func:`profiles`)."""
     link = {} if bandwidth is None else {"bandwidth": bandwidth}
-    peak = planner.plan(profiles(report, seconds, group), budget, host_cap=host_cap, **link)
+    blocks = profiles(report, seconds, group, memory)
+    peak = planner.plan(blocks, budget, host_cap=host_cap, **link)
     offloader = (
         Offloader(peak.simulation.host_bytes, host_cap=host_cap)
         if peak.simulation.host_bytes
@@ -529,8 +683,11 @@ def _calibrated(
     seconds: Mapping[tuple, float] | None = None,
     bandwidth: float | None = None,
     group: Any = None,
+    host_cap: int | None = None,
+    memory: StepMemory | None = None,
 ) -> dict:
-    """Plan for a peak of ``budget``, run one step with the plan and measure what it held
+    """Plan for a peak of ``budget`` (``host_cap``, ``memory``: see :func:`plan_peak`), run one
+    step with the plan and measure what it held
     (:func:`prime_ac.measure.measure_peak`), and correct the simulator once by its error
     (measured less predicted): a plan measured over the budget is replaced by one planned for
     the budget less the error; one measured under its prediction by more than
@@ -542,7 +699,8 @@ def _calibrated(
     With the (resolved) ``group``, every input to a decision here is agreed over its ranks
     (the profile, the budget, the bandwidth, each measured peak), so every rank takes the same
     branches and runs the same collectives."""
-    plans = plan_peak(report, budget, seconds=seconds, bandwidth=bandwidth, group=group)
+    options = {"seconds": seconds, "bandwidth": bandwidth, "group": group, "memory": memory}
+    plans = plan_peak(report, budget, host_cap, **options)
     peak = next(iter(plans.values())).peak if plans else None
     if peak is None:
         return plans
@@ -550,9 +708,7 @@ def _calibrated(
     error = peak.measured - peak.simulation.peak
     over = peak.measured > budget
     if (over and peak.fits) or -error > CALIBRATION_SLACK * budget:
-        again = plan_peak(
-            report, max(budget - error, 0), seconds=seconds, bandwidth=bandwidth, group=group
-        )
+        again = plan_peak(report, max(budget - error, 0), host_cap, **options)
         second = next(iter(again.values())).peak
         if second.decisions != peak.decisions:
             second.measured = _measure(model, profile, again, group)
@@ -591,8 +747,10 @@ def _measure(
         offloader = next((p.offloader for p in plans.values() if p.offloader is not None), None)
         host = (lambda: offloader.ledger.host) if offloader is not None else (lambda: 0)
         # the step's gradients go; those the model held (accumulated micro-batches) come back
+        # torch's checkpoint saves an RNG state per block outside the dispatcher: counted on CPU
+        rng = [model.get_submodule(n) for n, s in states.items() if s.preserve_rng_state]
         with ranks.failures_reported(group, ranks.most), _grads_preserved(model):
-            measured = measure_peak(model, profile, host)
+            measured = measure_peak(model, profile, host, rng)
         return ranks.most(group, measured)  # every rank calibrates alike
     finally:
         for name, state in states.items():

@@ -37,7 +37,9 @@ class ACConfig:
     ``freq=k`` checkpoints every k-th block; ``targets=None`` means the defaults;
     ``targets="auto"`` with ``budget`` (the step's peak activation memory in bytes, an int or a
     string such as ``"24GiB"``; a float fraction of the no-AC activation memory; or
-    ``{block name: bytes}``) lets prime_ac choose from a profiled step.
+    ``{block name: bytes}``) lets prime_ac choose from a profiled step; with a peak budget,
+    ``host_cap`` bounds the host bytes its offloads hold (on CPU, where host and device are one
+    memory, nothing is offloaded unless it is given).
     ``early_stop`` and ``determinism_check`` go to each region's
     ``torch.utils.checkpoint.checkpoint`` call (torch's defaults), and so does
     ``preserve_rng_state``.
@@ -67,6 +69,8 @@ class ACConfig:
     ac_offloading: tuple[tuple[str, Any], ...] | None = None
     # operators whose results go to host memory instead of staying on the device
     offload: tuple[str, ...] | None = None
+    # the most host memory a peak budget's offloads may hold (bytes: an int or "64GiB")
+    host_cap: int | str | None = None
 
     def __post_init__(self) -> None:
         check_checkpoint_options(self.early_stop, self.determinism_check)
@@ -101,6 +105,12 @@ class ACConfig:
                     "(float in [0, 1])"
                 )
             check_budget(self.budget)
+            self._check_host_cap()
+        elif self.host_cap is not None:
+            raise ValueError(
+                f'host_cap={self.host_cap!r} bounds what a peak budget\'s plan offloads: it '
+                'applies only with targets="auto" and budget= in bytes ("24GiB")'
+            )
         elif self.budget is not None:
             raise ValueError(f'budget={self.budget!r} applies only with targets="auto"')
         elif self.targets is not None:
@@ -162,6 +172,17 @@ class ACConfig:
                 "use one of them"
             )
         object.__setattr__(self, "layer_modes", tuple(entries))
+
+    def _check_host_cap(self) -> None:
+        if self.host_cap is None:
+            return
+        if isinstance(self.budget, (float, Mapping)):
+            raise ValueError(
+                f"host_cap={self.host_cap!r} bounds what a peak budget's plan offloads; "
+                f"budget={self.budget!r} is not a peak in bytes: give budget as bytes "
+                "(an int or '24GiB') or drop host_cap"
+            )
+        parse_bytes(self.host_cap, "host_cap")
 
     def _check_offload(self) -> None:
         if self.offload is None:

@@ -8,12 +8,13 @@ operators, so differences against the unwrapped step are the replayed work.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import time
 import weakref
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,7 @@ __all__ = [
     "measure_peak",
     "measure_step",
     "operator_flops",
+    "rng_states_counted",
     "storages",
     "track_step",
     "track_step_by_block",
@@ -329,13 +331,19 @@ class PeakTracker(TorchDispatchMode):
     operator, and the most they reached (``peak``) less what ``host_bytes()`` says lives in
     host copies (offloaded results on CPU, :class:`prime_ac.offload.Ledger`). An output in the
     storage of one of its operator's inputs (a view, an in-place or ``out=`` write) created
-    nothing: a weight's transpose in every linear layer is not new memory."""
+    nothing: a weight's transpose in every linear layer is not new memory. ``states`` adds the
+    bytes no operator creates: the RNG states checkpointed blocks save
+    (:func:`rng_states_counted`)."""
 
     def __init__(self, host_bytes: Callable[[], int] = lambda: 0) -> None:
         super().__init__()
         self.host_bytes = host_bytes
-        self.alive = self.peak = 0
+        self.alive = self.peak = self.states = 0
         self._seen: set[int] = set()
+
+    def held(self) -> int:
+        """What the step holds now: live storages and saved RNG states, less the host copies."""
+        return self.alive + self.states - self.host_bytes()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -353,7 +361,7 @@ class PeakTracker(TorchDispatchMode):
                 self._seen.add(key)
                 self.alive += storage.nbytes()
                 weakref.finalize(storage, self._freed, key, storage.nbytes())
-        self.peak = max(self.peak, self.alive - self.host_bytes())
+        self.peak = max(self.peak, self.held())
         return out
 
     def _freed(self, key: int, nbytes: int) -> None:
@@ -361,15 +369,50 @@ class PeakTracker(TorchDispatchMode):
         self.alive -= nbytes
 
 
+@contextlib.contextmanager
+def rng_states_counted(tracker: PeakTracker, blocks: Iterable[nn.Module]) -> Iterator[None]:
+    """Count in ``tracker`` the CPU RNG state torch's checkpoint saves in each forward of
+    ``blocks`` (checkpointed with ``preserve_rng_state``): ``torch.get_rng_state`` makes it
+    outside the dispatcher, so no operator shows it (5,056 bytes with torch's CPU generator).
+    Held from the block's forward until the gradient of its input arrives, when its backward
+    is done (to the end of the step where no input needs a gradient)."""
+    size = torch.get_rng_state().numel()
+
+    def release(handle: list, grad: torch.Tensor) -> None:
+        tracker.states -= size
+        handle[0].remove()
+
+    def saved(module: nn.Module, args: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        tracker.states += size
+        first = next(
+            (t for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.requires_grad), None
+        )
+        if first is not None:
+            handle: list = []
+            handle.append(first.register_hook(functools.partial(release, handle)))
+
+    hooks = [block.register_forward_pre_hook(saved) for block in blocks]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 def measure_peak(
     model: nn.Module,
     loss_fn: Callable[[nn.Module], torch.Tensor],
     host_bytes: Callable[[], int] = lambda: 0,
+    rng_blocks: Iterable[nn.Module] = (),
 ) -> int:
     """The most activation memory one step ``loss_fn(model).backward()`` held at once.
 
     On CUDA: ``torch.cuda.max_memory_allocated`` less what was allocated before the step. On
-    CPU: :class:`PeakTracker`'s storage ledger (host copies of offloaded results excluded).
+    CPU: :class:`PeakTracker`'s storage ledger (host copies of offloaded results excluded),
+    with the RNG state each of ``rng_blocks`` saves per forward (:func:`rng_states_counted`;
+    the checkpointed blocks that preserve RNG states).
     A parameter without a gradient gets one of zeros first, so the weight gradients accumulate
     into memory the model holds anyway and the peak is what the activations (and the gradients
     flowing between them) add; the gradients are the step's, added to those zeros.
@@ -386,7 +429,7 @@ def measure_peak(
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - start
     tracker = PeakTracker(host_bytes)
-    with tracker:
+    with rng_states_counted(tracker, rng_blocks), tracker:
         loss = loss_fn(model)
         loss.backward()
     return tracker.peak
