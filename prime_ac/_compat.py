@@ -38,6 +38,7 @@ __all__ = [
     "detach",
     "dispatch_op_names",
     "is_compiled_module",
+    "is_compiled_module",
     "is_composite_implicit",
     "is_traceable_wrapper_subclass",
     "is_tracing",

@@ -22,6 +22,7 @@ from torch import nn
 from prime_ac import _compat
 from prime_ac._compat import tree_leaves
 from prime_ac.actions import Action
+from prime_ac.compiled import compiled_blocks, compiled_readings, eager_forwards
 from prime_ac.diagnostics import group_names, grouped, inputs_seen, unseen_bytes
 from prime_ac.measure import operator_flops, track_step_by_block, track_step_by_device
 from prime_ac.modes import ReplayMode, written_tensors
@@ -122,6 +123,10 @@ class AuditReport:
     # and of the kept results its budget plan offloads to host memory (among block_held_bytes)
     block_input_bytes: dict[str, int] = field(default_factory=dict)
     block_offloaded_bytes: dict[str, int] = field(default_factory=dict)
+    # per compiled block: where its rows come from (its eager forward, with the policy or plan
+    # that tags its compiled graph) and whether the graph's tags agree call for call
+    # (prime_ac.compiled.compiled_readings)
+    compiled_blocks: dict[str, str] = field(default_factory=dict)
 
     def blocks_worse_than_no_ac(self) -> list[str]:
         """Blocks whose kept results reach what no AC would hold for them, by the first step's
@@ -245,6 +250,8 @@ class AuditReport:
             "recomputes them itself, as reversible layers do): "
             + (", ".join(self.blocks_saving_nothing) or "none"),
         ]
+        for name, reading in self.compiled_blocks.items():
+            lines.append(f"compiled block {name}: {reading}")
         if self.peak is not None:
             budget, predicted, measured = self.peak
             lines.append(
@@ -446,7 +453,8 @@ def audit(model: nn.Module, loss_fn: LossFn) -> AuditReport:
         )
     blocks = _checkpointed_blocks(model)
     loss_fn = _checked_loss(loss_fn)
-    with _grads_preserved(model):
+    compiled = compiled_blocks(model, blocks)
+    with _grads_preserved(model), eager_forwards(bool(compiled)):
         with checkpointing_disabled(model):
             held_none, block_none, forward_flops = track_step_by_block(model, loss_fn, dict(blocks))
         recorder = _Recorder()
@@ -496,6 +504,9 @@ def audit(model: nn.Module, loss_fn: LossFn) -> AuditReport:
         },
         blocks_saving_nothing=saving_nothing,
         peak=_peak(state.plan),
+        compiled_blocks=compiled_readings(
+            compiled, {name: checkpoint_state(b) for name, b in blocks}, recorder.calls
+        ),
         block_input_bytes=_input_bytes(model, blocks, inputs),
         block_offloaded_bytes=_offloaded([name for name, _ in blocks], recorder),
     )

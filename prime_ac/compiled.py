@@ -34,12 +34,13 @@ first compiled call that would offload.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import warnings
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -50,9 +51,12 @@ from prime_ac.policy import OperatorPolicy
 
 __all__ = [
     "CompiledPlan",
+    "compiled_blocks",
+    "compiled_offload_supported",
     "compiled_plan",
     "compiled_plan_context_fn",
-    "compiled_offload_supported",
+    "compiled_readings",
+    "eager_forwards",
 ]
 
 logger = logging.getLogger("prime_ac")
@@ -83,7 +87,7 @@ class CompiledPlan:
         kept: frozenset[tuple[Any, int]],
         offloaded: frozenset[tuple[Any, int]],
         owner: str,
-        block: bool = False,
+        block: type | None = None,
     ):
         self.policy, self.kept, self.offloaded, self.owner = policy, kept, offloaded, owner
         self.block = block
@@ -150,10 +154,11 @@ def compiled_plan(
     kept: Iterable[tuple[Any, int]] = (),
     offloaded: Iterable[tuple[Any, int]] = (),
     owner: str = "a checkpointed block",
-    block: bool = False,
+    block: type | None = None,
 ) -> CompiledPlan:
-    """The :class:`CompiledPlan` of this content, made once. ``block``: a wrapped block's plan,
-    counted against dynamo's recompile limit (:func:`_count_traced`)."""
+    """The :class:`CompiledPlan` of this content, made once. ``block``: the class of the wrapped
+    blocks applying it (plans of other classes stay apart, so each one's ``traced`` is its own;
+    counted against dynamo's recompile limit, :func:`_count_traced`)."""
     key = (policy, frozenset(kept), frozenset(offloaded), block)
     plan = _plans.get(key)
     if plan is None:
@@ -233,7 +238,7 @@ _traced: weakref.WeakSet = weakref.WeakSet()
 
 
 def _count_traced(plan: CompiledPlan) -> None:
-    if not plan.block or plan in _traced:
+    if plan.block is None or plan in _traced:
         return
     _traced.add(plan)
     limit = _compat.recompile_limit()
@@ -247,3 +252,65 @@ def _count_traced(plan: CompiledPlan) -> None:
             "plans, or plan so that identical blocks get equal plans.",
             stacklevel=2,
         )
+
+
+def compiled_blocks(model: Any, blocks: list[tuple[str, Any]]) -> list[str]:
+    """The checkpointed ``blocks`` that run compiled: compiled themselves, inside a compiled
+    module, or all of them when ``model`` is compiled."""
+    if _compat.is_compiled_module(model):
+        return [name for name, _ in blocks]
+    compiled = [name for name, m in model.named_modules() if _compat.is_compiled_module(m)]
+    return [
+        name
+        for name, _ in blocks
+        if any(name == c or name.startswith(f"{c}.") or not c for c in compiled)
+    ]
+
+
+@contextlib.contextmanager
+def eager_forwards(compiled: bool) -> Iterator[None]:
+    """Compiled frames run their eager code (``torch.compiler.set_stance("force_eager")``):
+    what the audit measures with its dispatch modes, which dynamo does not trace through."""
+    if not compiled:
+        yield
+        return
+    with torch.compiler.set_stance("force_eager"):
+        yield
+
+
+def compiled_readings(
+    names: list[str], states: dict[str, Any], calls: dict[str, list[Any]]
+) -> dict[str, str]:
+    """Per compiled block, where its audit rows come from and whether its compiled graph's tags
+    (the last trace of its plan, :attr:`CompiledPlan.traced`) agree with them call for call."""
+    readings = {}
+    for name in names:
+        plan = states[name].compiled
+        if plan is None:
+            readings[name] = (
+                "eager forward with the policy that tags its compiled graph, call for call"
+            )
+            continue
+        if not plan.traced:
+            readings[name] = (
+                "eager forward with its plan; its compiled graph is not traced yet (run one "
+                "compiled step before the audit to compare)"
+            )
+            continue
+        traced = {(op, i): d != "replayed" for op, i, d in plan.traced}
+        differ = [
+            f"{c.op}#{c.index} compiled {'saves' if traced[(c.op, c.index)] else 'replays'}"
+            for c in calls.get(name, [])
+            if (c.op, c.index) in traced
+            and traced[(c.op, c.index)] != (c.decision != "replayed")
+        ]
+        unseen = sum(1 for c in calls.get(name, []) if (c.op, c.index) not in traced)
+        if differ or unseen:
+            readings[name] = (
+                f"compiled graph saved differently from its eager forward at {len(differ)} "
+                f"calls ({', '.join(differ[:4])}{', ...' if len(differ) > 4 else ''}); "
+                f"{unseen} eager calls not seen in its trace"
+            )
+        else:
+            readings[name] = "compiled graph tagged as its eager forward, call for call"
+    return readings

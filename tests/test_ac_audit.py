@@ -244,15 +244,22 @@ def test_tradeoff_benchmark_budget_policy_dominates_the_torchtitan_rule(kind):
 
 
 @pytest.mark.slow
-def test_auto_plans_refuse_torch_compile(dense_step):
+def test_auto_plans_compile_and_audit_with_their_plan(dense_step):
+    """Blocks compiled with fullgraph after planning run their plan (issue 44); the audit of the
+    compiled model reads each block's eager forward and finds its graph tagged alike."""
     base, loss = dense_step
     model = copy.deepcopy(base)
     prime_ac.checkpoint_blocks(model, mode="selective", targets="auto", budget=0.3, profile=loss)
+    eager = prime_ac.audit(model, loss)
     torch._dynamo.reset()
     for block in model.layers:
         block.compile(fullgraph=True, backend="aot_eager")
-    with pytest.raises(Exception, match='uses a targets="auto" plan'):
-        loss(model)
+    loss(model).backward()
+    report = prime_ac.audit(model, loss)
+    assert set(report.compiled_blocks.values()) == {
+        "compiled graph tagged as its eager forward, call for call"
+    }
+    assert report.held_bytes == eager.held_bytes
     torch._dynamo.reset()
 
 

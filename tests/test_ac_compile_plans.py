@@ -131,6 +131,11 @@ def test_random_plans_compile_to_the_eager_decisions(seed, fullgraph):
         assert {k for k, d in compiled.items() if d == "offloaded"} == set(plan.offloaded)
         assert {k for k, d in compiled.items() if d == "kept"} >= set(plan.kept)
     assert counters["stats"]["unique_graphs"] == 2  # equal plans share one
+    report = prime_ac.audit(model, _loss)  # blocks compiled: read from their eager forwards
+    assert report.compiled_blocks == dict.fromkeys(
+        plans, "compiled graph tagged as its eager forward, call for call"
+    )
+    assert _eager_decisions(model) == eager
 
     torch._dynamo.reset()
     plain = build_model(n_layers=3, seed=seed)
@@ -293,3 +298,20 @@ def test_offload_without_compile_side_offload_raises_at_the_first_compiled_call(
     plan = compiled_plan(make_policy("full"), offloaded=[(MM, 0)], owner="old")
     with pytest.raises(Exception, match=rf"torch {torch.__version__} has no compile-side offload"):
         _partitioned(plan, "cpu")
+
+
+def test_the_audit_says_where_a_compiled_graph_saved_differently():
+    """A compiled block whose traced tags disagree with its eager forward is named, with the
+    calls; one not traced yet says so; one without a plan is read through its policy."""
+    from prime_ac.audit import CallRecord
+    from prime_ac.compiled import compiled_readings
+
+    plan = compiled_plan(make_policy("full"), kept=[(MM, 0)], owner="x")
+    calls = {"a": [CallRecord(MM, 0, "replayed", 4, 1), CallRecord(MM, 1, "replayed", 4, 1)]}
+    states = {"a": type("S", (), {"compiled": plan})(), "b": type("S", (), {"compiled": None})()}
+    assert "not traced yet" in compiled_readings(["a"], states, calls)["a"]
+    plan.traced = ((MM, 0, "kept"), (MM, 1, "replayed"))
+    readings = compiled_readings(["a", "b"], states, calls)
+    assert readings["a"].startswith("compiled graph saved differently from its eager forward at 1")
+    assert "aten.mm.default#0 compiled saves" in readings["a"]
+    assert readings["b"].startswith("eager forward with the policy that tags its compiled graph")
