@@ -44,6 +44,7 @@ from torch import nn
 from prime_ac import planner, ranks
 from prime_ac._compat import returns_alias, schema_is_mutable, tree_leaves
 from prime_ac.audit import _grads_preserved, audit, op_name
+from prime_ac.compiled import eager_forwards
 from prime_ac.contexts import checkpoint_contexts, with_recipe
 from prime_ac.measure import (
     CallTimer,
@@ -742,14 +743,22 @@ def _measure(
         fn = budget_context_fn(
             state.policy, frozenset(p.kept), f"block {name!r}", frozenset(p.offloaded), p.offloader
         )
-        wrap_block(block, dataclasses.replace(state, context_fn=fn))
+        # the plan on the state too: a compiled block applies state.compiled, made from it
+        wrap_block(block, dataclasses.replace(state, context_fn=fn, plan=p))
     try:
         offloader = next((p.offloader for p in plans.values() if p.offloader is not None), None)
         host = (lambda: offloader.ledger.host) if offloader is not None else (lambda: 0)
         # the step's gradients go; those the model held (accumulated micro-batches) come back
         # torch's checkpoint saves an RNG state per block outside the dispatcher: counted on CPU
         rng = [model.get_submodule(n) for n, s in states.items() if s.preserve_rng_state]
-        with ranks.failures_reported(group, ranks.most), _grads_preserved(model):
+        # on CUDA a compiled block's step is measured compiled (the allocator's peak); the CPU
+        # ledger is a dispatch mode, which compiled code does not run under: eager forwards
+        cpu = all(p.device.type != "cuda" for p in model.parameters())
+        with (
+            ranks.failures_reported(group, ranks.most),
+            _grads_preserved(model),
+            eager_forwards(cpu),
+        ):
             measured = measure_peak(model, profile, host, rng)
         return ranks.most(group, measured)  # every rank calibrates alike
     finally:

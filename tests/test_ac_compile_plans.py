@@ -315,3 +315,33 @@ def test_the_audit_says_where_a_compiled_graph_saved_differently():
     assert readings["a"].startswith("compiled graph saved differently from its eager forward at 1")
     assert "aten.mm.default#0 compiled saves" in readings["a"]
     assert readings["b"].startswith("eager forward with the policy that tags its compiled graph")
+
+
+def test_a_peak_budget_plans_and_calibrates_blocks_compiled_before():
+    """checkpoint_blocks(targets="auto", budget=<peak>) on blocks compiled with fullgraph
+    first: the profile and the calibration step run (on the CPU, whose storage ledger is a
+    dispatch mode, through the blocks' eager forwards), and the compiled blocks then run the
+    plan: their graphs tagged as the audit's eager forwards."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block())
+    for block in model:
+        block.compile(backend="aot_eager", fullgraph=True)
+
+    def loss(m):
+        return m(torch.randn(8, 16, generator=torch.Generator().manual_seed(1))).sum()
+
+    prime_ac.checkpoint_blocks(
+        model, mode="selective", targets="auto", budget=1 << 20, profile=loss,
+        blocks=lambda n, m: isinstance(m, Block),
+    )
+    plan = checkpoint_state(model[0]).plan
+    assert plan.peak.measured is not None and plan.kept
+    loss(model).backward()
+    assert all(
+        checkpoint_state(b).compiled.traced for b in model
+    )  # the compiled graphs were traced with the plan
+    report = prime_ac.audit(model, loss)
+    assert set(report.compiled_blocks.values()) == {
+        "compiled graph tagged as its eager forward, call for call"
+    }
