@@ -166,6 +166,7 @@ def checkpoint_blocks(
         + TargetSet(mandatory).problems(mandatory=True)
         + TargetSet(translate_composites(config.offload or ())).problems(),
         strict,
+        targets=(*named, *(config.offload or ())),
     )
 
     selected, modes = _select(find_blocks(model, blocks), config)
@@ -522,11 +523,12 @@ def _check_budget_names(budget: Mapping[str, int], names: list[str]) -> None:
         raise ValueError(f"budget= has no entry for checkpointed block(s) {missing}")
 
 
-def _report(problems: list[tuple[str, str]], strict: bool) -> None:
+def _report(problems: list[tuple[str, str]], strict: bool, targets: Iterable[str] = ()) -> None:
     """Raise for names in torch's own namespaces that name no operator
-    (:func:`prime_ac.policy.refuse_typos`); log the other problems once per process and list of
-    problems (at debug level for names of a namespace no module of this process registered: an
-    optional backend, which may never load), or raise for them too with ``strict=True``."""
+    (:func:`prime_ac.policy.refuse_typos`); log the other problems once per process and target
+    set (``targets``; a second model with the same targets says nothing), at debug level for
+    names of a namespace no module of this process registered (an optional backend, which may
+    never load), or raise for them too with ``strict=True``."""
     refuse_typos(problems)
     if strict and problems:
         raise ValueError(
@@ -542,7 +544,7 @@ def _report(problems: list[tuple[str, str]], strict: bool) -> None:
         (logging.DEBUG, optional),
         (logging.WARNING, [p for p in problems if p not in optional]),
     ):
-        if found and say_once(("match nothing for now", tuple(found))):
+        if found and say_once(("match nothing for now", tuple(targets), tuple(found))):
             logger.log(
                 level,
                 "prime_ac: %d target(s) match nothing for now (said once per process and "

@@ -8,7 +8,12 @@ the watch which operators it dispatched. Once each block ran its first forward, 
 reports:
 
 - targets that matched no call in any block, naming what the blocks dispatched instead where it
-  is close (``aten::mm`` named, ``aten::addmm`` called); ``strict=True`` raises instead;
+  is close (``aten::mm`` named, ``aten::addmm`` called); ``strict=True`` raises instead. Said
+  once per process and target set (a second model with the same targets says nothing), and at
+  debug level for a name whose namespace no module of this process registered (an optional
+  backend not imported: FastVideo's list names several);
+- a list of which no target matched any call (a trainer's list included): the blocks keep only
+  the mandatory set, as ``mode="full"`` does, said once per process and list;
 - blocks whose kept results reach what no AC holds for them (:func:`worse`: at least
   :data:`REPORTED_BYTES` kept): checkpointing them this way costs memory and compute both, so
   they run without checkpointing from then on (logged once per block), or, with
@@ -34,11 +39,36 @@ import torch
 from prime_ac import _compat
 from prime_ac.actions import Action
 from prime_ac.modes import KeepMode
-from prime_ac.targets import Target, TargetSet, operator_key
+from prime_ac.targets import Target, TargetSet, operator_key, registered_operators
 
 __all__ = ["REPORTED_BYTES", "Ledger", "MeasuringKeepMode", "Watch", "worse"]
 
 logger = logging.getLogger("prime_ac")
+
+# What this process was told already, by kind and target set: a report says something a user can
+# act on once, not once per model built with the same settings.
+_SAID: set[Any] = set()
+
+
+def say_once(key: Any) -> bool:
+    """True the first time ``key`` is seen in this process (then the caller logs its report)."""
+    if key in _SAID:
+        return False
+    _SAID.add(key)
+    return True
+
+
+def unloaded_namespaces(targets: Any) -> set[str]:
+    """The namespaces of ``targets`` (strings) in which no operator is registered in this
+    process: a backend that was not imported (reported at debug level: it may never be)."""
+    registered = {name.split("::", 1)[0] for name in registered_operators()}
+    namespaces = set()
+    for t in targets:
+        try:
+            namespaces.add(Target.parse(str(t)).namespace)
+        except ValueError:  # a tag or scoped target: no namespace of its own
+            continue
+    return {ns for ns in namespaces if ns not in registered and ns != "higher_order"}
 
 # Namespaces whose operators communicate with other ranks: a recompute that replays one must
 # replay it on every rank.
@@ -93,8 +123,12 @@ class Watch:
         blocks: list[str],
         strict: bool,
         bypass: Callable[[str, str], None] | None = None,
+        listed: list[str] | None = None,
     ):
         self.targets = [Target.parse(t) for t in targets]
+        # every target the selective policy keeps by name, an adapter's included: when none
+        # matched a call, the blocks keep only the mandatory set
+        self.listed = [Target.parse(t) for t in listed or ()]
         self.pending = set(blocks)
         self.strict = strict
         self.seen: set[Any] = set()
@@ -244,11 +278,14 @@ class Watch:
                 stacklevel=2,
             )
 
+    def _matched(self, targets: list[Target]) -> set[Target]:
+        keys = [operator_key(op) for op in self.seen]
+        return {t for t in targets if any(TargetSet([str(t)]).matches(k) for k in keys)}
+
     def unmatched(self) -> list[str]:
         """Targets that matched no call, less those whose family another target matched: a list
         naming the CUDA and CPU attention kernels, or mm and addmm, does what it says."""
-        keys = [operator_key(op) for op in self.seen]
-        matched = {t for t in self.targets if any(TargetSet([str(t)]).matches(k) for k in keys)}
+        matched = self._matched(self.targets)
         families = {_family(t.namespace, t.op) for t in matched} - {None}
         return [
             str(t)
@@ -256,17 +293,47 @@ class Watch:
             if t not in matched and _family(t.namespace, t.op) not in families
         ]
 
+    def kept_nothing(self) -> bool:
+        """Whether no listed target (user-named or an adapter's) matched any call."""
+        return bool(self.listed) and not self._matched(self.listed)
+
     def _report(self) -> None:
         unmatched = self.unmatched()
-        if unmatched:
+        if unmatched and self.strict:
             lines = [f"{t!r}{self._instead(t)}" for t in unmatched]
-            message = (
+            raise ValueError(
                 "prime_ac: targets that matched no operator call in any checkpointed block on "
-                "the first step, so they keep nothing: " + "; ".join(lines)
+                "the first step, so they keep nothing: " + "; ".join(lines) + " (strict=True)"
             )
-            if self.strict:
-                raise ValueError(message + " (strict=True)")
-            logger.warning(message)
+        unloaded = unloaded_namespaces(unmatched)
+        optional = [t for t in unmatched if Target.parse(t).namespace in unloaded]
+        unmatched = [t for t in unmatched if t not in optional]
+        targets = tuple(sorted(str(t) for t in self.targets))
+        if optional and say_once(("unmatched, not loaded", targets, tuple(optional))):
+            logger.debug(
+                "prime_ac: targets of namespaces no module of this process registered matched "
+                "no operator call on the first step (an optional backend not imported): %s",
+                ", ".join(optional),
+            )
+        if unmatched:
+            if say_once(("unmatched", targets, tuple(unmatched))):
+                logger.warning(
+                    "prime_ac: targets that matched no operator call in any checkpointed block "
+                    "on the first step, so they keep nothing (said once per process and target "
+                    "set): " + "; ".join(f"{t!r}{self._instead(t)}" for t in unmatched)
+                )
+        elif self.kept_nothing():
+            listed = tuple(sorted(str(t) for t in self.listed))
+            if say_once(("kept nothing", listed)):
+                logger.warning(
+                    "prime_ac: none of the %d listed target(s) matched an operator call in any "
+                    "checkpointed block on the first step, so the blocks keep only the mandatory "
+                    "set (as mode='full' does) and replay the rest: name what the blocks call "
+                    "(prime_ac.audit lists it), or use mode='full' (said once per process and "
+                    "list): %s",
+                    len(listed),
+                    ", ".join(listed),
+                )
 
     def _instead(self, target: str) -> str:
         """The operators the blocks called that could stand for ``target``: its family's

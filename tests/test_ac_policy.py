@@ -152,7 +152,8 @@ def test_bad_mode_and_targets_name_the_fix():
 def test_unregistered_and_invisible_targets_are_logged_once_per_configuration(
     caplog, model_factory
 ):
-    caplog.set_level(logging.WARNING, logger="prime_ac")
+    # names of a namespace no module registered are logged at debug level (an optional backend)
+    caplog.set_level(logging.DEBUG, logger="prime_ac")
     targets = ["no_such_namespace_xyz", "no_such_namespace_xyz::op", "aten::layer_norm"]
     prime_ac.checkpoint_blocks(model_factory(), mode="selective", targets=targets)
     text = caplog.text

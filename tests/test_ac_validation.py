@@ -94,10 +94,12 @@ def test_unknown_targets_are_reported_once_per_configuration(caplog):
     # the same configuration applied again (a second model, FastVideo's per-run setup) says it once
     seen = []
     for targets in (["aten::mm", "nosuchns_once::op"],) * 2 + (["nosuchns_once::op"],):
-        with caplog.at_level(logging.WARNING, logger="prime_ac"):
+        with caplog.at_level(logging.DEBUG, logger="prime_ac"):  # debug: a namespace not loaded
             caplog.clear()
             prime_ac.checkpoint_blocks(CountingModel(), mode="selective", targets=targets)
-        seen.append(["nosuchns_once::op" in r.getMessage() for r in caplog.records])
+        seen.append(
+            ["nosuchns_once::op" in r.getMessage() for r in caplog.records if "for now" in r.msg]
+        )
     assert seen == [[True], [], [True]]  # the third call is another configuration
 
 

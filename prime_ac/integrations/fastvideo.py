@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from prime_ac import checkpoint_blocks
+from prime_ac.tables import supplied
 
 __all__ = [
     "FASTVIDEO_BLOCK_LISTS",
@@ -62,8 +63,8 @@ FASTVIDEO_OP_LIST: tuple[str, ...] = (
     "fastvideo_kernel::block_sparse_attn_triton",
 )
 """FastVideo main's ``_SELECTIVE_ACTIVATION_CHECKPOINTING_OP_NAMES`` (@ 1728326dd9d8), as
-target strings. Its ``fastvideo::`` ops register when their backend module is imported, so
-prime_ac logs them once per configuration until then."""
+target strings. Its ``fastvideo::`` ops register when their backend module is imported; until
+then prime_ac mentions them at debug level only (a run need not load every backend)."""
 
 _SDPA = (
     "aten::_scaled_dot_product_flash_attention",
@@ -88,7 +89,9 @@ def targets_from_op_list(ops: Iterable[Any]) -> list[str]:
     (``"aten.mm.default"``) or operator objects (``torch.ops.aten.mm.default``). Matrix products
     and SDPA kernels become their operator names without overload, with their CPU and CUDA
     counterparts; any other operator is kept as named. An overload that the operator does not
-    have (``"aten::mm.defualt"``) raises ValueError.
+    have (``"aten::mm.defualt"``) raises ValueError. The targets are marked as a trainer's list
+    (:func:`prime_ac.tables.supplied`): a name that matches nothing on one run (another device's
+    kernel, a backend not loaded) is not reported; a list of which nothing matched is, once.
 
     Example::
 
@@ -106,7 +109,7 @@ def targets_from_op_list(ops: Iterable[Any]) -> list[str]:
         for target in _SAME_WORK.get(base, (name,)):
             if target not in targets:
                 targets.append(target)
-    return targets
+    return list(supplied(targets))
 
 
 def _name(op: Any) -> str:
