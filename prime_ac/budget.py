@@ -93,8 +93,11 @@ class BlockPlan:
     training: bool | None = field(default=None, compare=False)
 
     def warn_mode(self, training: bool) -> None:
-        """Say (once per process, by the warnings registry) that the block now runs in the
-        other mode than the one its plan was profiled in."""
+        """Say (once per process, by the warnings registry) that the block now runs a step with
+        gradients in the other mode than the one its plan was profiled in (a validation pass
+        under no_grad holds nothing for backward: nothing to say)."""
+        if not torch.is_grad_enabled():
+            return
         profiled, now = ("train()", "eval()") if self.training else ("eval()", "train()")
         warnings.warn(
             f"prime_ac: a targets=\"auto\" plan was profiled with the model in {profiled} and "

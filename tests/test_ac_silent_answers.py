@@ -239,9 +239,11 @@ def test_a_plan_profiled_in_eval_warns_when_trained_in_train_mode(budget):
     model.train()
     with pytest.warns(UserWarning, match=r"eval\(\).*train\(\).*model\.train\(\)"):
         _trained(model, x)
-    model.eval()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        with torch.no_grad():
+            _step(model, x)  # a pass without gradients holds nothing for backward
+        model.eval()
         _step(model, x)  # the mode it was planned in: nothing to say
 
 
