@@ -123,6 +123,9 @@ class AuditReport:
     # and of the kept results its budget plan offloads to host memory (among block_held_bytes)
     block_input_bytes: dict[str, int] = field(default_factory=dict)
     block_offloaded_bytes: dict[str, int] = field(default_factory=dict)
+    # per block: the bytes autograd saved outside the blocks before its forward (an input
+    # projection's, the embedding's): what the step holds beside the blocks there
+    outside_bytes_before: dict[str, int] = field(default_factory=dict)
     # per compiled block: where its rows come from (its eager forward, with the policy or plan
     # that tags its compiled graph) and whether the graph's tags agree call for call
     # (prime_ac.compiled.compiled_readings)
@@ -461,7 +464,7 @@ def audit(model: nn.Module, loss_fn: LossFn) -> AuditReport:
         with (
             _recording(blocks, recorder),
             recorder.scopes.tracking(b for _, b in blocks),
-            inputs_seen() as inputs,
+            inputs_seen() as collected,
         ):
             held, _ = track_step_by_device(model, loss_fn)
         saving_nothing = [
@@ -507,7 +510,8 @@ def audit(model: nn.Module, loss_fn: LossFn) -> AuditReport:
         compiled_blocks=compiled_readings(
             compiled, {name: checkpoint_state(b) for name, b in blocks}, recorder.calls
         ),
-        block_input_bytes=_input_bytes(model, blocks, inputs),
+        block_input_bytes=_input_bytes(model, blocks, collected.inputs),
+        outside_bytes_before={name: collected.outside_before.get(name, 0) for name, _ in blocks},
         block_offloaded_bytes=_offloaded([name for name, _ in blocks], recorder),
     )
 

@@ -65,15 +65,29 @@ class Held:
     def forward(self, args: tuple, kwargs: dict) -> None:
         self.inputs = _storages(_compat.tree_leaves((args, kwargs)), inputs=True)
         self.input_bytes = sum(self.inputs.values())
-        if _collecting is not None:
-            _collecting.setdefault(self.name, self.inputs)
+        if _collecting is not None and self.name not in _collecting.inputs:
+            _collecting.first_call(self.name, self.inputs, (args, kwargs))
 
 
 # the records of live calls, in call order (a record goes when its call's graph is freed)
 _live: weakref.WeakValueDictionary[int, Held] = weakref.WeakValueDictionary()
 _count = itertools.count()
-# block -> storage id -> bytes of the inputs of its first call (the audit's step)
-_collecting: dict[str, dict[int, int]] | None = None
+class Collected:
+    """What each block's first checkpointed call in a step found (:func:`inputs_seen`)."""
+
+    def __init__(self) -> None:
+        self.inputs: dict[str, dict[int, int]] = {}  # block -> storage id -> bytes
+        # block -> bytes autograd saved outside the blocks before the call (the graph behind
+        # its inputs; storages of earlier blocks' inputs left out)
+        self.outside_before: dict[str, int] = {}
+
+    def first_call(self, name: str, inputs: dict[int, int], args: Any) -> None:
+        self.inputs[name] = inputs
+        seen = {sid: n for found in self.inputs.values() for sid, n in found.items()}
+        self.outside_before[name] = sum(saved_outside(args, seen)[0].values())
+
+
+_collecting: Collected | None = None
 
 
 class _Calls(threading.local):
@@ -94,11 +108,11 @@ def track(block: torch.nn.Module, name: str) -> Held:
 
 
 @contextlib.contextmanager
-def inputs_seen() -> Iterator[dict[str, dict[int, int]]]:
-    """Within the context, the input storages (id -> bytes) of each block's first checkpointed
-    call (the audit reads them from the step it runs)."""
+def inputs_seen() -> Iterator[Collected]:
+    """Within the context, the inputs of each block's first checkpointed call and what was
+    saved outside the blocks before it (the audit reads them from the step it runs)."""
     global _collecting
-    previous, _collecting = _collecting, {}
+    previous, _collecting = _collecting, Collected()
     try:
         yield _collecting
     finally:

@@ -1,12 +1,14 @@
 """A picture of one step's memory: one self-contained HTML file (inline SVG, a few lines of JS).
 
-The step's program points are each block's forward (once it returned) and each block's backward
-(once its recompute ran), in the order they run. At each point the bytes held are stacked by
-what holds them, from the audit's numbers (:class:`prime_ac.AuditReport`):
+The step's program points are each block's forward (once it returned), the forward's end (the
+loss computed, backward about to start) and each block's backward (once its recompute ran), in
+the order they run. At each point the bytes held are stacked by what holds them, from the
+audit's numbers (:class:`prime_ac.AuditReport`):
 
-- outside blocks: what the step holds beyond the blocks (the audit's held bytes less the blocks'
-  kept results and inputs), drawn at every point: an upper bound early in the forward and late
-  in the backward, where the head's saves do not exist yet or any more;
+- outside blocks: at a block's forward and backward, what autograd saved outside the blocks
+  before that block (``outside_bytes_before``); at the forward's end, everything the step holds
+  beyond the blocks (the audit's held bytes less the blocks' kept results and inputs: the
+  head's and the loss's saves too);
 - block inputs: the inputs of the blocks whose forward ran (each storage once);
 - kept: the kept results of those blocks (a budget plan's offloaded ones apart);
 - recompute: at a block's backward, what its recompute rebuilds beyond its kept results (what
@@ -57,34 +59,33 @@ def step_memory(
         kept = [k - o for k, o in zip(audited_kept, offloaded, strict=True)]
         decisions = [_audit_decisions(report, b) for b in blocks]
     outside = max(report.held_bytes - sum(audited_kept) - sum(inputs), 0)
+    before = [report.outside_bytes_before.get(b, 0) for b in blocks]
     no_ac = [report.block_held_bytes_no_ac.get(b, 0) for b in blocks]
     points = []
-    for i, block in enumerate(blocks):
-        point = {
-            "label": f"{block} forward",
+
+    def point(label: str, block: str, i: int, outside_here: int, recompute: int = 0) -> None:
+        backward = label.endswith("backward")  # the block's offloaded results are back
+        here = {
+            "label": label,
             "block": block,
-            "outside": outside,
+            "outside": outside_here,
             "inputs": sum(inputs[: i + 1]),
             "kept": sum(kept[: i + 1]),
-            "recompute": 0,
+            "recompute": recompute,
             "offloaded": sum(offloaded[: i + 1]),
         }
-        point["device"] = point["outside"] + point["inputs"] + point["kept"]
-        points.append(point)
-    for i in reversed(range(len(blocks))):
-        point = {
-            "label": f"{blocks[i]} backward",
-            "block": blocks[i],
-            "outside": outside,
-            "inputs": sum(inputs[: i + 1]),
-            "kept": sum(kept[: i + 1]),
-            "recompute": max(no_ac[i] - kept[i] - offloaded[i], 0),
-            "offloaded": sum(offloaded[: i + 1]),
-        }
-        point["device"] = (
-            point["outside"] + point["inputs"] + point["kept"] + point["recompute"] + offloaded[i]
+        here["device"] = (
+            outside_here + here["inputs"] + here["kept"] + recompute + backward * offloaded[i]
         )
-        points.append(point)
+        points.append(here)
+
+    for i, block in enumerate(blocks):
+        point(f"{block} forward", block, i, before[i])
+    if blocks:  # the forward's end: what the audit measured held, the saves outside included
+        point("forward end", blocks[-1], len(blocks) - 1, outside)
+    for i in reversed(range(len(blocks))):
+        recompute = max(no_ac[i] - kept[i] - offloaded[i], 0)
+        point(f"{blocks[i]} backward", blocks[i], i, before[i], recompute)
     budget = predicted = measured = None
     if plan is not None:
         budget, predicted, measured = plan.budget, plan.simulation.peak, plan.measured

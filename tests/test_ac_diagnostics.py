@@ -178,6 +178,11 @@ def test_outside_saves_are_counted_by_node_and_byte():
     assert live.inputs == 4 * DOWN  # each block's input, once
     assert [b.kept for b in live.blocks] == [UP + DOWN] * 4
     loss.backward()
+    # the audit finds the projection's save before every block, and holds what the live
+    # report holds but x, which the audit's step did not create
+    report = prime_ac.audit(model, lambda m: m(x))
+    assert report.outside_bytes_before == {f"layers.{i}": x.nbytes for i in range(4)}
+    assert report.held_bytes == live.kept + live.inputs + sum(live.outside.values()) - x.nbytes
 
 
 def test_identical_blocks_are_grouped():

@@ -90,22 +90,20 @@ def test_the_pages_numbers_are_the_audits(offloading, tmp_path):
         assert b["no_ac"] == report.block_held_bytes_no_ac[name]
         assert any(d.startswith(ATTENTION) for d in b["decisions"])
     points = data["points"]
-    assert [p["label"] for p in points] == [f"{b} forward" for b in blocks] + [
+    assert [p["label"] for p in points] == [f"{b} forward" for b in blocks] + ["forward end"] + [
         f"{b} backward" for b in reversed(blocks)
     ]
+    for p in points:
+        if p["label"] != "forward end":
+            assert p["outside"] == report.outside_bytes_before[p["block"]] > 0  # token ids
     outside = report.held_bytes - sum(report.block_held_bytes.values()) - sum(
         report.block_input_bytes.values()
     )
-    last_forward = points[len(blocks) - 1]
-    # after the last forward the page holds exactly what the audit measured as held
-    assert last_forward["outside"] == outside > 0
-    assert (
-        last_forward["outside"]
-        + last_forward["inputs"]
-        + last_forward["kept"]
-        + last_forward["offloaded"]
-        == report.held_bytes
-    )
+    end = points[len(blocks)]
+    # at the forward's end the page holds exactly what the audit measured as held
+    assert end["outside"] == outside > end["outside"] - points[0]["outside"] > 0
+    assert end["outside"] + end["inputs"] + end["kept"] + end["offloaded"] == report.held_bytes
+    assert end["device"] == report.held_bytes - end["offloaded"]
     assert data["measured_peak"] == 12345 and levels == {"measured_peak": "12345"}
     assert data["peak"] == max(p["device"] for p in points)
     # each bar is drawn at its bytes, on one scale
