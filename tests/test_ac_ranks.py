@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -145,15 +146,21 @@ def _cases(rank, world_size):
     counts["blocks"] = _expect_ranks_error(
         outcome, "as many blocks", f"{evens}: 2 blocks", f"{odds}: 3 blocks", "group="
     )
-    # different operator calls in the same blocks
+    # different operator calls in the same blocks: one more per block on the odd ranks
     outcome = _plan(rank, "1MiB", extra=odd)
-    counts["calls"] = _expect_ranks_error(outcome, "operator calls", "20 calls", "22 calls", "group=")
+    counts["calls"] = _expect_ranks_error(outcome, "operator calls", "group=")
+    told = dict(re.findall(r"(ranks? [\d, ]+): (\d+) calls", str(outcome[0])))
+    assert int(told[odds]) == int(told[evens]) + 2, told
     # a peak budget on one rank, a fraction on the other
     outcome = _plan(rank, 0.5 if odd else "1MiB")
-    counts["kinds"] = _expect_ranks_error(outcome, "kind of budget", "a fraction", "a peak", "group=")
+    counts["kinds"] = _expect_ranks_error(
+        outcome, "kind of budget", "a fraction", "a peak", "group="
+    )
     # a rank planning per block while the other plans a peak: detected by the same exchange
     outcome = _plan(rank, {"layers.0": 2**20, "layers.1": 2**20} if odd else "1MiB")
-    counts["per-block"] = _expect_ranks_error(outcome, "kind of budget", "bytes per block", "group=")
+    counts["per-block"] = _expect_ranks_error(
+        outcome, "kind of budget", "bytes per block", "group="
+    )
 
     # a profile that raises on the last rank: it raises its own error, the others name it
     def failing(model, x=torch.randn(4, 8, DIM)):
@@ -167,9 +174,12 @@ def _cases(rank, world_size):
     else:
         _expect_ranks_error((error, 0), f"rank {last} raised while profiling")
     # ... and one whose step with the plan (the calibration's measurement) raises
+    def out_of_memory(*args):
+        raise MemoryError("no room for the planned step")
+
     measure_peak = budget_module.measure_peak
     if rank == last:
-        budget_module.measure_peak = lambda *a: (_ for _ in ()).throw(MemoryError("no room"))
+        budget_module.measure_peak = out_of_memory
     try:
         error, counts["measure raised"] = _plan(rank, "1MiB")
     finally:
