@@ -361,6 +361,15 @@ def _checkpointed_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         raise ValueError(
             "audit found no checkpointed block: call prime_ac.checkpoint_blocks(model, ...) first"
         )
+    shadowed = [name for name, block in blocks if "forward" in block.__dict__]
+    if shadowed:  # an instance forward (torchtitan's remat wrapper) runs instead of prime_ac's
+        raise ValueError(
+            f"audit: {shadowed} have an instance attribute forward set after "
+            "checkpoint_blocks (torchtitan's block.forward = remat.checkpoint(...)?), which runs "
+            "instead of prime_ac's checkpoint: there is no prime_ac policy to audit there. "
+            "del block.forward (prime_ac's runs again), or let checkpoint_blocks come after "
+            "torchtitan's AC (it takes the remat wrapper over)"
+        )
     return blocks
 
 

@@ -396,3 +396,17 @@ def test_what_does_not_map_is_refused_by_name():
     with pytest.raises(ValueError, match="save_regions"):
         adapter.apply_ac(build(), RegionAC.Config(save_regions="attention"))
 
+
+
+def test_audit_refuses_blocks_a_remat_wrapper_shadows_after_wrapping():
+    model = build()
+    prime_ac.checkpoint_blocks(model, mode="full")
+    titan_wrap(model, [])  # torchtitan applied after prime_ac: remat runs, prime_ac does not
+    assert all(prime_ac.is_checkpointed(block) for block in model.layers)  # by remat
+    with pytest.raises(ValueError, match=r"\['layers\.0', 'layers\.1'\].*del block\.forward"):
+        prime_ac.audit(model, loss_fn)
+    with pytest.raises(ValueError, match="torch_remat's checkpoint"):  # it wraps prime_ac's
+        prime_ac.checkpoint_blocks(model, mode="full")
+    for block in model.layers:
+        del block.forward
+    assert prime_ac.audit(model, loss_fn).replayed_ops > 0  # prime_ac's own again
