@@ -10,6 +10,11 @@ from typing import Any
 
 from prime_ac import tables
 from prime_ac.offload import SavedInputOffload
+from prime_ac.pipeline_offload import (
+    PIPELINE_KEYS,
+    PipelineActivationOffload,
+    PipelineOffloadConfig,
+)
 from prime_ac.planner import parse_bytes
 from prime_ac.policy import MODES
 from prime_ac.scopes import parse_target
@@ -71,9 +76,21 @@ class ACConfig:
     offload: tuple[str, ...] | None = None
     # the most host memory a peak budget's offloads may hold (bytes: an int or "64GiB")
     host_cap: int | str | None = None
+    # prime-rl's [trainer.model.pp_activation_offload] (see pipeline_offload)
+    pp_activation_offload: PipelineOffloadConfig | None = None
 
     def __post_init__(self) -> None:
         check_checkpoint_options(self.early_stop, self.determinism_check)
+        if isinstance(self.pp_activation_offload, Mapping):
+            table = PipelineOffloadConfig.from_dict(self.pp_activation_offload)
+            object.__setattr__(self, "pp_activation_offload", table)
+        elif self.pp_activation_offload is not None and not isinstance(
+            self.pp_activation_offload, PipelineOffloadConfig
+        ):
+            raise ValueError(
+                f"pp_activation_offload={self.pp_activation_offload!r} must be a table of "
+                f"{list(PIPELINE_KEYS)} (prime-rl's [trainer.model.pp_activation_offload])"
+            )
         if self.ac_offloading is not None:
             table = _offloading_table(self.ac_offloading)
             _check_offloading(table)
@@ -225,6 +242,16 @@ class ACConfig:
         table = {**_OFFLOADING_KEYS, **dict(self.ac_offloading)}
         return SavedInputOffload(table["pin_memory"], table["max_inflight_activations"])
 
+    def pipeline_offload(self, model_parts: Any) -> PipelineActivationOffload | None:
+        """prime-rl's pipeline activation offloading with its meaning, for the stage modules
+        this rank holds (``model_parts``): what each in-flight micro-batch passed into the stage
+        and its blocks goes to host memory between its forward and backward
+        (:mod:`prime_ac.pipeline_offload`). None without the table. prime-rl applies
+        ``ac_offloading`` only without pipeline parallelism; this is its pipeline counterpart."""
+        if self.pp_activation_offload is None:
+            return None
+        return PipelineActivationOffload(model_parts, self.pp_activation_offload)
+
     @classmethod
     def from_dict(cls, table: Mapping[str, Any]) -> ACConfig:
         """Read the ``[trainer.model.ac]`` table; unknown keys raise ValueError naming them.
@@ -251,6 +278,8 @@ class ACConfig:
         table = dict(table)
         if table and set(table) <= set(_OFFLOADING_KEYS):  # [trainer.model.ac_offloading]
             table = {"ac_offloading": table}
+        elif table and set(table) <= set(PIPELINE_KEYS):  # [trainer.model.pp_activation_offload]
+            table = {"pp_activation_offload": table}
         if isinstance(table.get("ac_offloading"), Mapping):
             _check_offloading(table["ac_offloading"])
             table["ac_offloading"] = tuple(sorted(table["ac_offloading"].items()))
