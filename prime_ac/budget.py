@@ -255,16 +255,17 @@ class _Block:
         best = _pareto({o.bytes: (o.saved, o) for o in options})
         self.options = [option for _, option in best.values()]
 
-    def plan(self, option: _Option, budget_bytes: int) -> BlockPlan:
+    def plan(self, option: _Option, budget_bytes: int, name: str | None = None) -> BlockPlan:
+        """The plan of ``option`` for this block, or for ``name``, a block identical to it."""
         if option.kept is None:
             return BlockPlan(
-                self.name, budget_bytes, (), option.bytes, 0, self._calls(set()), False
+                name or self.name, budget_bytes, (), option.bytes, 0, self._calls(set()), False
             )
         kept = [self.candidates[i] for i in option.kept]
         chosen = {(c.op, c.index) for c in kept}
         candidates = sum(c.flops for c in self.candidates)
         return BlockPlan(
-            block=self.name,
+            block=name or self.name,
             budget_bytes=budget_bytes,
             kept=tuple((c.op, c.index) for c in kept),
             kept_bytes=option.bytes,
@@ -295,24 +296,51 @@ def plan_block(
     return planned.plan(max(fitting, key=lambda o: (o.saved, -o.bytes)), capacity)
 
 
-def _plan_whole_model(blocks: list[_Block], capacity: int) -> dict[str, BlockPlan]:
-    """Each block's option, together saving the most FLOPs within ``capacity`` bytes."""
+def _structure(calls: list[Any], no_ac_bytes: int | None) -> tuple:
+    """What planning a block within a fraction reads of it: blocks alike in it are identical
+    (a stack's layers) and are solved once."""
+    return (
+        tuple(
+            (c.op, c.index, c.decision, c.bytes, c.flops, c.replayed, c.scope) for c in calls
+        ),
+        no_ac_bytes,
+    )
+
+
+def _plan_whole_model(
+    blocks: list[tuple[str, _Block]], capacity: int
+) -> dict[str, BlockPlan]:
+    """Each block's option, together saving the most FLOPs within ``capacity`` bytes.
+    ``blocks`` are ``(name, solved block)``; the blocks sharing one solved block (identical:
+    :func:`_structure`) take the same option, so they get the same kept calls (one compiled
+    graph serves them all), at the cost of a coarser fit: their option is bought for all of
+    them at once."""
+    classes: dict[int, list[str]] = {}
+    solved = {}
+    for name, block in blocks:
+        classes.setdefault(id(block), []).append(name)
+        solved[id(block)] = block
     combined: dict[int, tuple[int, tuple[_Option, ...]]] = {0: (0, ())}
-    for block in blocks:
+    for key, names in classes.items():
+        block, k = solved[key], len(names)
         grown: dict[int, tuple[int, tuple[_Option, ...]]] = {}
         for used, (saved, picks) in combined.items():
             for option in block.options:
-                total = used + option.bytes
-                if total <= capacity and saved + option.saved > grown.get(total, (-1,))[0]:
-                    grown[total] = (saved + option.saved, (*picks, option))
+                total = used + k * option.bytes
+                if total <= capacity and saved + k * option.saved > grown.get(total, (-1,))[0]:
+                    grown[total] = (saved + k * option.saved, (*picks, option))
         if not grown:  # the mandatory bytes alone exceed the budget: keep only those
             grown = {
-                used + block.options[0].bytes: (saved, (*picks, block.options[0]))
+                used + k * block.options[0].bytes: (saved, (*picks, block.options[0]))
                 for used, (saved, picks) in combined.items()
             }
         combined = _pareto(grown)
     _, picks = combined[max(combined)]
-    return {b.name: b.plan(o, o.bytes) for b, o in zip(blocks, picks, strict=True)}
+    chosen = dict(zip(classes, picks, strict=True))
+    return {
+        name: block.plan(chosen[id(block)], chosen[id(block)].bytes, name)
+        for name, block in blocks
+    }
 
 
 def budget_context_fn(
@@ -429,7 +457,12 @@ def plan_budget(
         # what the full-mode model holds whatever its blocks keep beyond the mandatory set
         base = report.held_bytes - sum(held.values())
         capacity = max(int(budget * report.held_bytes_no_ac) - base, 0)
-        blocks = [_Block(name, calls[name], no_ac.get(name), capacity) for name in report.blocks]
+        solved: dict[tuple, _Block] = {}
+        for name in report.blocks:
+            key = _structure(calls[name], no_ac.get(name))
+            if key not in solved:
+                solved[key] = _Block(name, calls[name], no_ac.get(name), capacity)
+        blocks = [(n, solved[_structure(calls[n], no_ac.get(n))]) for n in report.blocks]
         return _plan_whole_model(blocks, capacity)
     return {
         name: plan_block(name, calls[name], budget[name], no_ac.get(name)) for name in report.blocks

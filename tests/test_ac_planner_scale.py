@@ -116,3 +116,35 @@ def test_identical_blocks_share_one_plan_and_the_last_its_own():
     calls[0] = Call(calls[0].op, 0, calls[0].bytes + 1, calls[0].seconds, calls[0].kind)
     odd[3] = BlockProfile("layers.3", tuple(calls), odd[3].input_bytes, odd[3].saved_bytes)
     assert {b.structure() for b in odd[:-1]} == {blocks[0].structure(), odd[3].structure()}
+
+
+def test_a_stacks_identical_layers_get_the_same_kept_calls():
+    """A fraction plans the built-in model's identical layers as one (one option for all); a
+    peak budget gives all but the last layer one plan. Their kept and offloaded calls are the
+    same sets, so one compiled graph can serve them."""
+    import copy
+
+    import torch
+
+    import prime_ac
+    from prime_ac.measure import measure_peak
+    from prime_ac.models import build_model
+
+    base = build_model("dense", n_layers=4)
+    tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    full = copy.deepcopy(base)
+    prime_ac.checkpoint_blocks(full, mode="full")
+    floor = measure_peak(full, lambda m: m.loss(tokens))
+    for budget, shared in ((0.4, 4), (int(1.3 * floor), 3)):
+        model = copy.deepcopy(base)
+        prime_ac.checkpoint_blocks(
+            model,
+            mode="selective",
+            targets="auto",
+            budget=budget,
+            profile=lambda m: m.loss(tokens),
+        )
+        plans = [layer._prime_ac.plan for layer in model.layers]
+        assert any(p.kept for p in plans), budget
+        sets = {(frozenset(p.kept), frozenset(p.offloaded)) for p in plans[:shared]}
+        assert len(sets) == 1, (budget, sets)
