@@ -113,6 +113,7 @@ _MODES = {
     "memory_budget": "memory_budget",
     "memory-budget": "memory_budget",
     "none": "none",
+    "region": "region",  # torchtitan main's RegionAC (its tyro subcommand)
 }
 # torchtitan 0.3.0's field names, then the pre-0.3 TOML names they replaced
 _KEYS = {
@@ -126,6 +127,8 @@ _KEYS = {
     "visualize_memory_budget_pareto",
     "selective_ac_option",
     "per_op_sac_force_recompute_mm_shapes_by_fqns",
+    "save_regions",
+    "recompute_regions",
 }
 # Keys that only some modes read, with their default (in the release that has the key): a
 # table dumped from a config object holds every key, and torchtitan ignores the others' defaults
@@ -135,6 +138,8 @@ _READ_BY = {
     "selective_ac_option": ("selective", "2"),
     "memory_budget": ("memory_budget", 0.5),
     "visualize_memory_budget_pareto": ("memory_budget", False),
+    "save_regions": ("region", []),
+    "recompute_regions": ("region", []),
 }
 
 
@@ -199,14 +204,20 @@ def is_torchtitan_table(table: Mapping[str, Any]) -> bool:
     ``dataclasses.asdict`` of a 0.3.0 config has: :meth:`prime_ac.ACConfig.from_dict` then
     reads it with :func:`config_from_table`."""
     own = {f.name for f in dataclasses.fields(ACConfig)}
-    return bool((_KEYS - own) & set(table)) or table.get("mode") in ("none", *_MEMORY_BUDGET)
+    return bool((_KEYS - own) & set(table)) or table.get("mode") in (
+        "none",
+        "region",
+        *_MEMORY_BUDGET,
+    )
 
 
 def config_from_table(table: Mapping[str, Any]) -> ACConfig:
     """An :class:`~prime_ac.ACConfig` from a torchtitan ``activation_checkpoint`` table.
 
     Accepts torchtitan 0.3.0's keys (``mode`` ``"full"`` / ``"selective"`` /
-    ``"memory_budget"``, ``force_recompute_mm_shapes_by_fqns``, ``memory_budget``, ...) and the
+    ``"memory_budget"``, ``force_recompute_mm_shapes_by_fqns``, ``memory_budget``, ...), torchtitan
+    main's ``mode = "region"`` with ``save_regions`` / ``recompute_regions`` (``"region:"``
+    targets; its remat-based ``"selective"`` preset is not a table: pass its config), and the
     pre-0.3 ones (``selective_ac_option = "op"``, or a number k: every k-th block, fully, i.e.
     ``freq=k``). A table without ``mode`` (``dataclasses.asdict`` of a 0.3.0 config) is the
     config whose keys it has: ``memory_budget`` MemoryBudgetAC's, ``force_recompute_...``
@@ -237,6 +248,10 @@ def config_from_table(table: Mapping[str, Any]) -> ACConfig:
     _check_unsupported(settings)
     if settings.kind == "full":
         return ACConfig(mode="full", freq=settings.freq, **_extra_fields(settings))
+    if settings.kind == "region":
+        return ACConfig(
+            mode="selective", targets=settings.region_targets(), **_extra_fields(settings)
+        )
     if settings.kind == "memory_budget":
         return ACConfig(
             mode="selective",
@@ -645,8 +660,14 @@ def _from_table(table: Mapping[str, Any]) -> _Settings:
         raise ValueError(_PARETO)
     if kind == "memory_budget":
         _check_fraction(table.get("memory_budget", 0.5))
+    regions = {key: table.get(key, []) for key in ("save_regions", "recompute_regions")}
+    for key, value in regions.items():
+        if isinstance(value, str) or not all(isinstance(g, str) for g in value):
+            raise ValueError(f"{key}={value!r} must be a list of glob strings: [{value!r}]")
     return _Settings(
         kind,
+        save_regions=tuple(regions["save_regions"]),
+        recompute_regions=tuple(regions["recompute_regions"]),
         freq=freq,
         force_fqns=tuple(fqns),
         memory_budget=table.get("memory_budget", 0.5),

@@ -10,6 +10,7 @@ of no AC, held bytes and replayed FLOPs from prime_ac.measure.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
@@ -410,3 +411,14 @@ def test_audit_refuses_blocks_a_remat_wrapper_shadows_after_wrapping():
     for block in model.layers:
         del block.forward
     assert prime_ac.audit(model, loss_fn).replayed_ops > 0  # prime_ac's own again
+
+
+def test_region_tables_read_as_region_targets():
+    table = {"mode": "region", "save_regions": ["attention"], "recompute_regions": ["x.*"]}
+    config = prime_ac.ACConfig.from_dict(table)
+    assert (config.mode, list(config.targets)) == ("selective", ["region:attention", "!region:x.*"])
+    # dataclasses.asdict of RegionAC.Config: no mode, its own keys
+    table = dataclasses.asdict(RegionAC.Config(save_regions=["feed_forward"]))
+    assert list(prime_ac.ACConfig.from_dict(table).targets) == ["region:feed_forward"]
+    with pytest.raises(ValueError, match="save_regions='attention' must be a list"):
+        prime_ac.ACConfig.from_dict({"mode": "region", "save_regions": "attention"})
