@@ -7,6 +7,8 @@
 # the steps after a failure still run. Without CUDA the GPU steps skip (the script checks itself
 # on a CPU machine that way). tests/gpu runs the FA4 and QuACK calls of tests/libraries/cases.py
 # with real kernels: the calls tests/libraries compiles on CPU for SM90 and SM100.
+# The gpu_tests step also runs tests/gpu/test_ac_pipeline_offload.py: prime-rl's pipeline stage
+# offload (side streams, pinned pool, fp8 target) and saved views moved through their storage.
 #
 #   scripts/gpu_check.sh --prepare     # here, with network: fetch the kernel-library wheels into
 #                                      # build/gpu_wheels when they fit the device tool's limit
