@@ -439,7 +439,9 @@ def _remat_forwards(selected: list[tuple[str, nn.Module]]) -> dict[int, Any]:
     for name, block in selected:
         cls = own_class(block)
         if is_remat_checkpoint(cls.forward) or remat_checkpoint_call(cls.forward):
-            refused.append(f"{name!r} (class {cls.__name__} runs torch_remat.checkpoint in forward)")
+            refused.append(
+                f"{name!r} (class {cls.__name__} runs torch_remat.checkpoint in forward)"
+            )
             continue
         shadow = block.__dict__.get("forward")
         if shadow is None:

@@ -79,9 +79,7 @@ def keep(fn: Callable[..., Any] | None = None, name: str | None = None) -> Any:
     if name is None:
         name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
     if not isinstance(name, str) or not name:
-        raise TypeError(
-            f"prime_ac.keep(..., name={name!r}): name the call with a non-empty string"
-        )
+        raise TypeError(f"prime_ac.keep(..., name={name!r}): name the call with a non-empty string")
     key = _keys.setdefault(name, _KeptCall(name))
 
     @functools.wraps(fn)
@@ -123,7 +121,10 @@ def _as_in_forward(out: Any, grads: list[bool]) -> Any:
     if not any(grads):
         return out
     leaves, spec = _compat.tree_flatten(out)
-    leaves = [_Rejoin.apply(t.detach().requires_grad_()) if g else t for t, g in zip(leaves, grads, strict=True)]
+    leaves = [
+        _Rejoin.apply(t.detach().requires_grad_()) if g else t
+        for t, g in zip(leaves, grads, strict=True)
+    ]
     return _compat.tree_unflatten(leaves, spec)
 
 

@@ -70,9 +70,12 @@ def remat_checkpoint_call(function: Any) -> bool:
                 return True
             previous = value
             continue
-        if instruction.opname in ("LOAD_ATTR", "LOAD_METHOD") and previous is remat:
-            if instruction.argval == "checkpoint":
-                return True
+        if (
+            instruction.opname in ("LOAD_ATTR", "LOAD_METHOD")
+            and previous is remat
+            and instruction.argval == "checkpoint"
+        ):
+            return True
         previous = None
     return False
 

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import re
 import weakref
-from fnmatch import fnmatchcase
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from typing import Any
 
 import torch

@@ -589,8 +589,10 @@ def _remat_settings(config: Any) -> _Settings | None:
 def _installed_0_3(config: Any) -> bool:
     """Whether ``config``'s class is the installed torchtitan's (0.3.0, read by isinstance)."""
     module = sys.modules.get("torchtitan.distributed.activation_checkpoint")
-    return module is not None and type(config).__module__ == module.__name__ and not hasattr(
-        module, "RegionAC"
+    return (
+        module is not None
+        and type(config).__module__ == module.__name__
+        and not hasattr(module, "RegionAC")
     )
 
 

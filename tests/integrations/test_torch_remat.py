@@ -223,7 +223,9 @@ def test_is_checkpointed_answers_for_the_forward_that_runs():
     assert prime_ac.is_checkpointed(block)
     block.forward = functools.partial(Block.forward, block)  # prime_ac's class never runs
     assert not prime_ac.is_checkpointed(block)
-    block.forward = remat.checkpoint(region_name="layers.0")(functools.partial(Block.forward, block))
+    block.forward = remat.checkpoint(region_name="layers.0")(
+        functools.partial(Block.forward, block)
+    )
     assert prime_ac.is_checkpointed(block)
 
 
@@ -396,7 +398,6 @@ def test_what_does_not_map_is_refused_by_name():
         adapter.apply_ac(build(), FullAC.Config(debug=True))
     with pytest.raises(ValueError, match="save_regions"):
         adapter.apply_ac(build(), RegionAC.Config(save_regions="attention"))
-
 
 
 def test_audit_refuses_blocks_a_remat_wrapper_shadows_after_wrapping():
