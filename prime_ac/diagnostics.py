@@ -432,7 +432,10 @@ class _Labelling:
         if action is Action.REPLAY or action is Action.IGNORE:
             return super().__torch_dispatch__(func, types, args, kwargs)
         how = "kept" if action in _ALWAYS_KEPT else "kept or replayed"
-        with label(f"prime_ac {how} {self.store.name} {func}"):
+        name = str(func)  # aten.mm.default, named as targets name it: aten::mm.default
+        if "::" not in name:
+            name = name.replace(".", "::", 1)
+        with label(f"prime_ac {how} {self.store.name} {name}"):
             return super().__torch_dispatch__(func, types, args, kwargs)
 
 

@@ -216,3 +216,28 @@ def test_labels_change_nothing_without_cuda():
         {n: p.grad for n, p in model.named_parameters()},
         {n: p.grad for n, p in reference.named_parameters()},
     )
+
+
+def test_labels_name_the_kept_and_offloaded_calls(monkeypatch):
+    """What CUDA's allocator would be told, recorded where no CUDA is."""
+    told = []
+    monkeypatch.setattr(diagnostics._compat, "set_allocation_label", lambda t: told.append(t) or True)
+    torch.manual_seed(0)
+    model = Stack()
+    prime_ac.checkpoint_blocks(model, mode="selective", blocks="layers", offload=["aten::sin"])
+    x = torch.randn(TOKENS, DIM)
+    model(x).backward()  # outside the context: nothing is told
+    assert told == []
+    with diagnostics.labelled_allocations():
+        model(x).backward()
+    labels = told[0::2]
+    assert told[1::2] == [""] * len(labels)  # each label is cleared after its call
+    for i in range(4):
+        block = f"block 'layers.{i}'"
+        # both matmuls kept, both sines kept (and offloaded), nothing replayed is labelled
+        assert labels.count(f"prime_ac kept {block} aten::mm.default") == 2
+        assert labels.count(f"prime_ac kept {block} aten::sin.default") == 2
+        # its two offloaded sines come back under the label (when prefetched, and again
+        # when its own recompute starts, where nothing is left to copy)
+        assert labels.count(f"prime_ac offloaded {block}") >= 2
+    assert len([label for label in labels if " kept " in label]) == 4 * 4

@@ -103,8 +103,9 @@ def _labels(step):
         snapshot = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
+    # each allocation's label (its "user_metadata"; read as any string value of the entry)
     return [
-        entry.get("user_metadata", "")
+        next((v for v in entry.values() if isinstance(v, str) and v.startswith("prime_ac")), "")
         for trace in snapshot["device_traces"]
         for entry in trace
         if entry.get("action") == "alloc"
