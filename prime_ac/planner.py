@@ -437,15 +437,19 @@ class _Prefix:
         sums, most = self.sum, self.most
         k = self.size + p
         sums[k], most[k] = weight, value
+        work = 0
         while k > 1:
-            k //= 2
-            left = 2 * k
+            k >>= 1
+            left = k << 1
             total = sums[left] + sums[left + 1]
-            top = max(most[left], sums[left] + most[left + 1])
-            self.work += 1
+            top = sums[left] + most[left + 1]
+            if most[left] > top:
+                top = most[left]
+            work += 1
             if total == sums[k] and top == most[k]:
-                return  # the ranges above are unchanged
+                break  # the ranges above are unchanged
             sums[k], most[k] = total, top
+        self.work += work
 
 
 class _Step:
