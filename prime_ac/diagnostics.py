@@ -53,25 +53,56 @@ class Held:
     """One checkpointed call of a block while its graph lives: the block, its store of kept
     results (weakly) and the bytes of its tensor inputs (counted in its forward)."""
 
-    __slots__ = ("__weakref__", "block", "input_bytes", "inputs", "name", "store")
+    __slots__ = ("__weakref__", "block", "input_bytes", "inputs", "name", "order", "store")
 
     def __init__(self, block: torch.nn.Module, name: str):
         self.block = weakref.ref(block)
         self.name = name
+        self.order = next(_count)
         self.store: Any = None
         self.inputs: dict[int, int] = {}  # storage id -> bytes
         self.input_bytes = 0
 
     def forward(self, args: tuple, kwargs: dict) -> None:
-        self.inputs = _storages(_compat.tree_leaves((args, kwargs)), inputs=True)
+        self.inputs = _input_storages(args, kwargs)
         self.input_bytes = sum(self.inputs.values())
         if _collecting is not None and self.name not in _collecting.inputs:
             _collecting.first_call(self.name, self.inputs, (args, kwargs))
 
 
-# the records of live calls, in call order (a record goes when its call's graph is freed)
-_live: weakref.WeakValueDictionary[int, Held] = weakref.WeakValueDictionary()
+# weak references to the records of live calls (a record goes when its call's graph is freed)
+_live: set[weakref.ref] = set()
 _count = itertools.count()
+
+
+def _input_storages(args: tuple, kwargs: dict) -> dict[int, int]:
+    """Storage id -> bytes of the tensors among a call's arguments and one level inside them
+    (HF's ``position_embeddings=(cos, sin)``), parameters left out: a few steps per tensor, no
+    pytree walk."""
+    found: dict[int, int] = {}
+    for group in (args, kwargs.values()):
+        for value in group:
+            if isinstance(value, torch.Tensor):
+                _add_storage(found, value)
+            elif type(value) in (tuple, list):
+                for inner in value:
+                    if isinstance(inner, torch.Tensor):
+                        _add_storage(found, inner)
+            elif type(value) is dict:
+                for inner in value.values():
+                    if isinstance(inner, torch.Tensor):
+                        _add_storage(found, inner)
+    return found
+
+
+def _add_storage(found: dict[int, int], t: torch.Tensor) -> None:
+    if isinstance(t, torch.nn.Parameter) or t.is_meta:
+        return
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # no storage of its own (a wrapper subclass)
+        return
+    found[storage._cdata] = storage.nbytes()
 class Collected:
     """What each block's first checkpointed call in a step found (:func:`inputs_seen`)."""
 
@@ -101,7 +132,7 @@ _observing = False
 def track(block: torch.nn.Module, name: str) -> Held:
     """A record for one checkpointed call of ``block`` (called by the region running it)."""
     held = Held(block, name)
-    _live[next(_count)] = held
+    _live.add(weakref.ref(held, _live.discard))
     if not _observing and torch.cuda.is_initialized():
         _observe()
     return held
@@ -119,14 +150,11 @@ def inputs_seen() -> Iterator[Collected]:
         _collecting = previous
 
 
-def _storages(tensors: Iterable[Any], inputs: bool = False) -> dict[int, int]:
-    """Storage id -> bytes of ``tensors``' storages, each once (parameters left out of
-    ``inputs``: they are the model's, not the step's)."""
+def _storages(tensors: Iterable[Any]) -> dict[int, int]:
+    """Storage id -> bytes of ``tensors``' storages, each once."""
     found: dict[int, int] = {}
     for t in tensors:
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-            continue
-        if inputs and isinstance(t, torch.nn.Parameter):
             continue
         sid = _compat.storage_id(t)
         if sid is not None:
@@ -230,7 +258,8 @@ def memory_report(
     # the model's parameters and buffers (a rotary table passed to every block) are not the
     # step's: they count nowhere
     seen = {} if model is None else _storages([*model.parameters(), *model.buffers()])
-    for held in list(_live.values()):
+    alive = (ref() for ref in list(_live))
+    for held in sorted((h for h in alive if h is not None), key=lambda h: h.order):
         block = held.block()
         if block is None or (modules is not None and id(block) not in modules):
             continue
