@@ -128,6 +128,16 @@ def test_bad_settings_name_the_argument():
         build(**SELECTIVE, offload=["aten::addmm"], respect_saved_tensors_hooks=True)
 
 
+@pytest.mark.parametrize("respect", [False, True])
+def test_eager_blocks_under_hooks_raise_no_future_warning(respect):
+    """torch 2.14 warns when a user's hooks surround its own selective checkpoint; prime_ac's
+    eager regions run its own modes, so neither setting warns (on every torch)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step(build(**SELECTIVE, respect_saved_tensors_hooks=respect), OffloadLike())
+    assert not [w for w in caught if issubclass(w.category, FutureWarning)]
+
+
 @pytest.mark.skipif(
     not CHECKPOINT_RESPECTS_HOOKS, reason="torch < 2.14 has no respect_saved_tensors_hooks"
 )
