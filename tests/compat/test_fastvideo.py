@@ -384,3 +384,24 @@ def test_a_wan_dit_keeps_its_state_dict_keys_and_answers_is_checkpointed():
     assert list(model.state_dict()) == keys
     assert [prime_ac.is_checkpointed(b) for b in model.blocks] == [True, True]
     assert not prime_ac.is_checkpointed(model)
+
+
+def _checkpointing_type_of(transformer: nn.Module) -> str | None:
+    """FastVideo's test helper of that name as docs/migration.md rewrites it: it read a
+    CheckpointWrapper's context_fn; prime_ac's blocks carry their policy's mode."""
+    from prime_ac.wrapping import checkpoint_state
+
+    blocks = [m for m in transformer.modules() if prime_ac.is_checkpointed(m)]
+    if not blocks:
+        return None
+    return {"selective": "ops", "full": "full"}[checkpoint_state(blocks[0]).policy.mode]
+
+
+@pytest.mark.parametrize("checkpointing_type", ["full", "ops", None])
+def test_checkpointing_type_of_reads_prime_acs_block_state(checkpointing_type):
+    from prime_ac.integrations import fastvideo
+
+    model = ToyTransformer()
+    if checkpointing_type is not None:
+        fastvideo.apply_activation_checkpointing(model, checkpointing_type)
+    assert _checkpointing_type_of(model) == checkpointing_type
