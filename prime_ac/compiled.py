@@ -57,6 +57,7 @@ __all__ = [
     "compiled_plan_context_fn",
     "compiled_readings",
     "eager_forwards",
+    "watched",
 ]
 
 logger = logging.getLogger("prime_ac")
@@ -176,6 +177,7 @@ def plan_contexts(handle: Callable[[], CompiledPlan]) -> tuple[Any, Any]:
     """The (forward, recompute) contexts of one traced region applying ``handle()``."""
     plan = handle()
     _count_traced(plan)
+    _warn_unwatched(plan.policy)
     storage: dict[Any, dict[int, Any]] = defaultdict(dict)
     forward = _TaggingMode(plan.tagger(), storage)
     return forward, _compat.CachedSACMode(None, storage, False)
@@ -314,3 +316,42 @@ def compiled_readings(
         else:
             readings[name] = "compiled graph tagged as its eager forward, call for call"
     return readings
+
+
+# The first-step watch of each policy's configuration (prime_ac.watch), set by wrap_block: it
+# measures eager regions only, so a compiled block traced before its first eager step warns.
+_watches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_warned_watches: weakref.WeakSet = weakref.WeakSet()
+
+
+def watched(policy: Any, watch: Any) -> None:
+    """Note that blocks applying ``policy`` report their first step to ``watch``."""
+    try:
+        _watches[policy] = weakref.ref(watch)
+    except TypeError:  # a policy that takes no weak reference (a plain function): no watch
+        pass
+
+
+def _warn_unwatched(policy: Any) -> None:
+    ref = _watches.get(policy) if _is_weakrefable(policy) else None
+    watch = ref() if ref is not None else None
+    if watch is None or not watch.pending or watch in _warned_watches:
+        return
+    _warned_watches.add(watch)
+    warnings.warn(
+        f"prime_ac: checkpointed blocks compiled before their first step "
+        f"({', '.join(sorted(watch.pending)[:4])}{', ...' if len(watch.pending) > 4 else ''}) "
+        "take no part in the first step's report, skip_worse and the drop of kept results no "
+        "backward reads (prime_ac.watch measures eager regions; a compiled graph saves only "
+        "what its backward reads anyway). Run one step before compiling the blocks for them, "
+        "or prime_ac.audit(model, loss_fn) for the table.",
+        stacklevel=2,
+    )
+
+
+def _is_weakrefable(value: Any) -> bool:
+    try:
+        weakref.ref(value)
+    except TypeError:
+        return False
+    return True

@@ -345,3 +345,18 @@ def test_a_peak_budget_plans_and_calibrates_blocks_compiled_before():
     assert set(report.compiled_blocks.values()) == {
         "compiled graph tagged as its eager forward, call for call"
     }
+
+
+def test_blocks_compiled_before_their_first_step_warn_that_the_watch_misses_them():
+    """The first step's report, skip_worse and the drop of unread kept results are eager-only:
+    blocks compiled before that step say so once, naming them."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block())
+    prime_ac.checkpoint_blocks(
+        model, mode="selective", targets=["aten::mm"], blocks=lambda n, m: isinstance(m, Block)
+    )
+    for block in model:
+        block.compile(backend="aot_eager", fullgraph=True)
+    with pytest.warns(UserWarning, match=r"compiled before their first step \(0, 1\)"):
+        model(torch.randn(8, 16)).sum().backward()
