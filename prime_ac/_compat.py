@@ -38,7 +38,6 @@ __all__ = [
     "detach",
     "dispatch_op_names",
     "is_compiled_module",
-    "is_compiled_module",
     "is_composite_implicit",
     "is_traceable_wrapper_subclass",
     "is_tracing",
@@ -64,6 +63,7 @@ __all__ = [
     "written_arguments",
     "attach_oom_observer",
     "saved_tensor_values",
+    "SAVED_TENSOR_DATA",
     "set_allocation_label",
 ]
 
@@ -373,6 +373,11 @@ def own_code_getter(value: Any) -> Callable[[], Any]:
         None,
         template.__closure__,
     )
+
+
+# Whether autograd's SavedTensor shows what it holds without unpacking it (``.data``);
+# without it the saves outside checkpointed blocks cannot be read safely.
+SAVED_TENSOR_DATA = hasattr(torch._C._autograd.SavedTensor, "data")
 
 
 def saved_tensor_values(node: Any) -> list[Any]:

@@ -115,7 +115,8 @@ class Collected:
     def first_call(self, name: str, inputs: dict[int, int], args: Any) -> None:
         self.inputs[name] = inputs
         seen = {sid: n for found in self.inputs.values() for sid, n in found.items()}
-        self.outside_before[name] = sum(saved_outside(args, seen)[0].values())
+        if _compat.SAVED_TENSOR_DATA:
+            self.outside_before[name] = sum(saved_outside(args, seen)[0].values())
 
 
 _collecting: Collected | None = None
@@ -224,7 +225,10 @@ class MemoryReport:
                 f"{_mib(b.inputs):>12} {b.calls:>6}{each}"
             )
         if self.outside is None:
-            lines.append("saved outside the blocks: not walked (memory_report(outputs=loss))")
+            lines.append(
+                "saved outside the blocks: not walked (memory_report(model, outputs=loss), on a "
+                "torch whose saved tensors show .data)"
+            )
         else:
             total = sum(self.outside.values())
             lines.append(f"saved outside the blocks: {_mib(total)} by autograd node")
@@ -274,7 +278,7 @@ def memory_report(
             row.kept += kept
             row.offloaded += offloaded
     report = MemoryReport(list(rows.values()), note=note)
-    if outputs is not None:
+    if outputs is not None and _compat.SAVED_TENSOR_DATA:
         report.outside, report.packed = saved_outside(outputs, seen)
     return report
 

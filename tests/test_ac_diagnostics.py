@@ -22,7 +22,7 @@ from ac_models import assert_bitwise_equal
 from torch import nn
 
 import prime_ac
-from prime_ac import diagnostics, planner
+from prime_ac import _compat, diagnostics, planner
 from prime_ac.diagnostics import group_names, memory_report
 from prime_ac.models import build_model
 
@@ -77,6 +77,12 @@ def _stack():
     return model
 
 
+needs_saved_data = pytest.mark.skipif(
+    not _compat.SAVED_TENSOR_DATA,
+    reason="this torch's SavedTensor has no .data: the saves outside the blocks are not read",
+)
+
+
 def _oom_records(caplog):
     return [r for r in caplog.records if r.name == "prime_ac" and r.levelno == logging.ERROR]
 
@@ -96,7 +102,8 @@ def test_an_oom_in_a_forward_logs_what_each_block_holds_once(caplog):
     assert _row(lines, "x2 layers.0-1") == ["48.00 KiB", "0 B", "16.00 KiB", "1"]
     assert _row(lines, "layers.2") == ["32.00 KiB", "0 B", "16.00 KiB", "1"]
     # outside the blocks: the projection saved x, found from block 2's inputs
-    assert _row(lines, "MmBackward0") == ["16.00 KiB"]
+    if _compat.SAVED_TENSOR_DATA:
+        assert _row(lines, "MmBackward0") == ["16.00 KiB"]
 
 
 def test_an_oom_in_a_recompute_logs_once_and_propagates(caplog):
@@ -131,6 +138,7 @@ def test_an_error_is_reported_once_however_often_it_is_seen(caplog):
     assert len(_oom_records(caplog)) == 1
 
 
+@needs_saved_data
 def test_the_live_report_is_the_audits_and_empties_after_backward():
     model = build_model("dense")
     tokens = torch.randint(0, 256, (2, 65), generator=torch.Generator().manual_seed(0))
@@ -168,6 +176,7 @@ def test_offloaded_results_are_reported_apart_from_kept_ones():
     loss.backward()
 
 
+@needs_saved_data
 def test_outside_saves_are_counted_by_node_and_byte():
     model = _stack()
     x = torch.randn(TOKENS, DIM)

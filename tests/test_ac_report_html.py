@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import prime_ac
-from prime_ac import planner
+from prime_ac import _compat, planner
 from prime_ac.__main__ import main
 from prime_ac.budget import profiles
 from prime_ac.measure import measure_peak
@@ -95,13 +95,14 @@ def test_the_pages_numbers_are_the_audits(offloading, tmp_path):
     ]
     for p in points:
         if p["label"] != "forward end":
-            assert p["outside"] == report.outside_bytes_before[p["block"]] > 0  # token ids
+            assert p["outside"] == report.outside_bytes_before.get(p["block"], 0)
+            assert p["outside"] > 0 or not _compat.SAVED_TENSOR_DATA  # the embedding's ids
     outside = report.held_bytes - sum(report.block_held_bytes.values()) - sum(
         report.block_input_bytes.values()
     )
     end = points[len(blocks)]
     # at the forward's end the page holds exactly what the audit measured as held
-    assert end["outside"] == outside > end["outside"] - points[0]["outside"] > 0
+    assert end["outside"] == outside > points[0]["outside"]  # the head's saves, the loss's
     assert end["outside"] + end["inputs"] + end["kept"] + end["offloaded"] == report.held_bytes
     assert end["device"] == report.held_bytes - end["offloaded"]
     assert data["measured_peak"] == 12345 and levels == {"measured_peak": "12345"}
