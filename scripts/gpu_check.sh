@@ -9,6 +9,8 @@
 # with real kernels: the calls tests/libraries compiles on CPU for SM90 and SM100.
 # The gpu_tests step also runs tests/gpu/test_ac_pipeline_offload.py: prime-rl's pipeline stage
 # offload (side streams, pinned pool, fp8 target) and saved views moved through their storage.
+# The ac_compile step also runs tests/gpu/test_ac_compiled.py: compiled blocks whose plan
+# offloads (torch's compile-side offload), aot_eager and inductor.
 #
 #   scripts/gpu_check.sh --prepare     # here, with network: fetch the kernel-library wheels into
 #                                      # build/gpu_wheels when they fit the device tool's limit
@@ -158,7 +160,7 @@ pytest_args="-v -rs -p no:cacheprovider -o junit_family=xunit1 ${pytest_timeout[
 step ac_tests 150 "python3 -m pytest $pytest_args --junitxml='$scratch/ac_tests.xml' \
     -m 'not slow' tests/gpu/test_ac_cuda.py"
 step gpu_tests 150 "python3 -m pytest $pytest_args --junitxml='$scratch/gpu_tests.xml' -m gpu \
-    tests/gpu --ignore=tests/gpu/test_ac_cuda.py"
+    tests/gpu --ignore=tests/gpu/test_ac_cuda.py --ignore=tests/gpu/test_ac_compiled.py"
 
 if [[ $has_cuda == 1 ]]; then
     step bench_native 90 "python3 benchmarks/cuda_native_ops.py --json >'$out/cuda_native_ops.json'"
@@ -168,7 +170,7 @@ else
     skip bench_ac "no CUDA device"
 fi
 step ac_compile 150 "python3 -m pytest $pytest_args --junitxml='$scratch/ac_compile.xml' \
-    -m slow tests/gpu/test_ac_cuda.py"
+    -m slow tests/gpu/test_ac_cuda.py tests/gpu/test_ac_compiled.py"
 # attention.py times every installed flash backend on the GPU (and the op's CPU overhead);
 # cuda_attention.py the sdpa backend on CUDA, which the image always has
 step bench_attention 90 "python3 benchmarks/attention.py --json --iters 20 >'$out/attention.json' \
