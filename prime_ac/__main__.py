@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import sys
 
@@ -57,6 +58,16 @@ def _positive_int(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
     return int(text)
+
+
+def _html_file(text: str) -> str:
+    """A file the page can be written to, checked before the step runs."""
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder: name the file to write")
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"{text!r}: its folder {folder!r} does not exist")
+    return text
 
 
 def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
@@ -121,6 +132,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     audit.add_argument(
         "--html",
         metavar="FILE",
+        type=_html_file,
         help="also write the step's memory as one self-contained HTML page to FILE (held bytes "
         "per block's forward and backward, the measured peak; prime_ac.report_html)",
     )
@@ -153,6 +165,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     plan.add_argument(
         "--html",
         metavar="FILE",
+        type=_html_file,
         help="also write the planned step's memory as one self-contained HTML page to FILE "
         "(held bytes per block's forward and backward, the budget and predicted peak)",
     )

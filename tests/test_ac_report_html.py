@@ -142,6 +142,10 @@ def test_a_plans_page_draws_its_decisions_budget_and_predicted_peak(planned, tmp
 
 def test_audit_and_plan_commands_write_the_page(tmp_path, capsys):
     audit_page, plan_page = tmp_path / "audit.html", tmp_path / "plan.html"
+    for where in (tmp_path / "missing" / "page.html", tmp_path):  # refused before the step
+        with pytest.raises(SystemExit):
+            main(["audit", "--html", str(where)])
+    assert "--html" in capsys.readouterr().err
     assert main(["audit", "--html", str(audit_page)]) == 0
     assert main(["plan", "--budget", "5MiB", "--html", str(plan_page)]) == 0
     capsys.readouterr()
