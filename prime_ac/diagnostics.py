@@ -103,6 +103,8 @@ def _add_storage(found: dict[int, int], t: torch.Tensor) -> None:
     except (RuntimeError, NotImplementedError):  # no storage of its own (a wrapper subclass)
         return
     found[storage._cdata] = storage.nbytes()
+
+
 class Collected:
     """What each block's first checkpointed call in a step found (:func:`inputs_seen`)."""
 
@@ -207,7 +209,9 @@ class MemoryReport:
         for b in self.blocks:
             if b.block == name:
                 return b
-        raise KeyError(f"block={name!r} holds nothing live: one of {[b.block for b in self.blocks]}")
+        raise KeyError(
+            f"block={name!r} holds nothing live: one of {[b.block for b in self.blocks]}"
+        )
 
     def __str__(self) -> str:
         head = f"{'blocks':<24} {'kept':>12} {'offloaded':>12} {'inputs':>12} {'calls':>6}"
@@ -359,10 +363,8 @@ def out_of_memory(error: BaseException, args: tuple, kwargs: dict) -> None:
     call whose inputs are ``args``/``kwargs``; once per error."""
     if getattr(error, "_prime_ac_reported", False):
         return
-    try:
+    with contextlib.suppress(AttributeError):  # an error that takes no attributes: said again
         error._prime_ac_reported = True  # type: ignore[attr-defined]
-    except AttributeError:  # an error type that takes no attributes: it may be logged twice
-        pass
     _log(type(error).__name__, (args, kwargs))
 
 

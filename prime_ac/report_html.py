@@ -40,9 +40,7 @@ KINDS = (
 )
 
 
-def step_memory(
-    report: Any, plan: Any = None, measured_peak: int | None = None
-) -> dict[str, Any]:
+def step_memory(report: Any, plan: Any = None, measured_peak: int | None = None) -> dict[str, Any]:
     """The picture's numbers: per program point the bytes of each kind and on the device, per
     block its decisions, and the budget and peaks. ``plan`` (a :class:`prime_ac.planner.Plan`
     over ``report``'s blocks) replaces what the blocks keep and offload by its decisions."""

@@ -91,9 +91,11 @@ def test_an_oom_in_a_forward_logs_what_each_block_holds_once(caplog):
     model = _stack()
     model.layers[2].fails.armed = True
     x = torch.randn(TOKENS, DIM)
-    with caplog.at_level(logging.ERROR, logger="prime_ac"):
-        with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 8.00 GiB"):
-            model(x)
+    with (
+        caplog.at_level(logging.ERROR, logger="prime_ac"),
+        pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 8.00 GiB"),
+    ):
+        model(x)
     records = _oom_records(caplog)
     assert len(records) == 1
     lines = records[0].getMessage().splitlines()
@@ -111,9 +113,8 @@ def test_an_oom_in_a_recompute_logs_once_and_propagates(caplog):
     loss = model(torch.randn(TOKENS, DIM))
     # the recompute of layers.1 reruns what it replays: the armed module raises there
     model.layers[1].fails.armed = True
-    with caplog.at_level(logging.ERROR, logger="prime_ac"):
-        with pytest.raises(torch.OutOfMemoryError):
-            loss.backward()
+    with caplog.at_level(logging.ERROR, logger="prime_ac"), pytest.raises(torch.OutOfMemoryError):
+        loss.backward()
     records = _oom_records(caplog)
     assert len(records) == 1
     lines = records[0].getMessage().splitlines()
@@ -230,7 +231,9 @@ def test_labels_change_nothing_without_cuda():
 def test_labels_name_the_kept_and_offloaded_calls(monkeypatch):
     """What CUDA's allocator would be told, recorded where no CUDA is."""
     told = []
-    monkeypatch.setattr(diagnostics._compat, "set_allocation_label", lambda t: told.append(t) or True)
+    monkeypatch.setattr(
+        diagnostics._compat, "set_allocation_label", lambda t: told.append(t) or True
+    )
     torch.manual_seed(0)
     model = Stack()
     prime_ac.checkpoint_blocks(model, mode="selective", blocks="layers", offload=["aten::sin"])

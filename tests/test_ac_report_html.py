@@ -61,8 +61,10 @@ def planned():
 
 def _read(path):
     """The embedded numbers, and per bar group its (data-kind -> data-bytes, rect heights)."""
-    text = open(path, encoding="utf-8").read()
-    blob = re.search(r'<script type="application/json" id="prime-ac-data">(.*?)</script>', text, re.S)
+    text = path.read_text(encoding="utf-8")
+    blob = re.search(
+        r'<script type="application/json" id="prime-ac-data">(.*?)</script>', text, re.S
+    )
     data = json.loads(blob.group(1).replace("<\\/", "</"))
     svg = re.search(r"<svg [^>]*>", text).group(0)
     top = float(re.search(r'data-top="([\d.]+)"', svg).group(1))
@@ -97,8 +99,10 @@ def test_the_pages_numbers_are_the_audits(offloading, tmp_path):
         if p["label"] != "forward end":
             assert p["outside"] == report.outside_bytes_before.get(p["block"], 0)
             assert p["outside"] > 0 or not _compat.SAVED_TENSOR_DATA  # the embedding's ids
-    outside = report.held_bytes - sum(report.block_held_bytes.values()) - sum(
-        report.block_input_bytes.values()
+    outside = (
+        report.held_bytes
+        - sum(report.block_held_bytes.values())
+        - sum(report.block_input_bytes.values())
     )
     end = points[len(blocks)]
     # at the forward's end the page holds exactly what the audit measured as held
@@ -157,7 +161,12 @@ def test_audit_and_plan_commands_write_the_page(tmp_path, capsys):
 
 
 def _browser():
-    for name in (os.environ.get("PRIME_AC_BROWSER"), "chromium", "chromium-browser", "google-chrome"):
+    for name in (
+        os.environ.get("PRIME_AC_BROWSER"),
+        "chromium",
+        "chromium-browser",
+        "google-chrome",
+    ):
         found = name and shutil.which(name)
         if found:
             return found
@@ -166,7 +175,7 @@ def _browser():
 
 def _png(path):
     """RGB pixels of an 8-bit, non-interlaced PNG (what Chromium writes): rows x columns x 3."""
-    raw = open(path, "rb").read()
+    raw = path.read_bytes()
     assert raw[:8] == b"\x89PNG\r\n\x1a\n"
     pos, chunks, header = 8, [], None
     while pos < len(raw):

@@ -69,9 +69,8 @@ def test_an_oom_in_a_blocks_forward_is_reported_once(caplog):
     model, x = _model()
     model(x).backward()  # a first step (the observer is attached by then too)
     model.layers[2].huge = True
-    with caplog.at_level(logging.ERROR, logger="prime_ac"):
-        with pytest.raises(torch.OutOfMemoryError):
-            model(x)
+    with caplog.at_level(logging.ERROR, logger="prime_ac"), pytest.raises(torch.OutOfMemoryError):
+        model(x)
     errors = _errors(caplog)
     assert len(errors) == 1, errors
     assert "OutOfMemoryError" in errors[0]
@@ -83,9 +82,8 @@ def test_an_oom_in_a_blocks_forward_is_reported_once(caplog):
 def test_an_oom_outside_the_blocks_is_reported_by_the_allocator(caplog):
     model, x = _model()
     loss = model(x)
-    with caplog.at_level(logging.ERROR, logger="prime_ac"):
-        with pytest.raises(torch.OutOfMemoryError):
-            torch.empty(TOO_MUCH, dtype=torch.uint8, device="cuda")
+    with caplog.at_level(logging.ERROR, logger="prime_ac"), pytest.raises(torch.OutOfMemoryError):
+        torch.empty(TOO_MUCH, dtype=torch.uint8, device="cuda")
     errors = _errors(caplog)
     assert len(errors) == 1, errors
     assert "CUDA out of memory" in errors[0] and "x4 layers.0-3" in errors[0]
