@@ -26,7 +26,7 @@ import re
 import threading
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -191,7 +191,7 @@ class MemoryReport:
     blocks: list[BlockMemory]
     outside: dict[str, int] | None = None
     note: str = ""  # where the report was taken (an error's name)
-    packed: int = field(default=0)  # saves outside the blocks packed by saved-tensor hooks
+    packed: int = 0  # saves outside the blocks packed by saved-tensor hooks
 
     @property
     def kept(self) -> int:
@@ -217,16 +217,16 @@ class MemoryReport:
         head = f"{'blocks':<24} {'kept':>12} {'offloaded':>12} {'inputs':>12} {'calls':>6}"
         lines = [
             "prime_ac memory report" + (f" ({self.note})" if self.note else "") + ": "
-            f"{len(self.blocks)} block(s) hold {_mib(self.kept)} kept, {_mib(self.offloaded)} "
-            f"offloaded, {_mib(self.inputs)} inputs",
+            f"{len(self.blocks)} block(s) hold {format_bytes(self.kept)} kept, {format_bytes(self.offloaded)} "
+            f"offloaded, {format_bytes(self.inputs)} inputs",
             head,
             "-" * len(head),
         ]
         for names, b in grouped([(b.block, b.row(), b) for b in self.blocks]):
             each = " each" if len(names) > 1 else ""
             lines.append(
-                f"{group_names(names):<24} {_mib(b.kept):>12} {_mib(b.offloaded):>12} "
-                f"{_mib(b.inputs):>12} {b.calls:>6}{each}"
+                f"{group_names(names):<24} {format_bytes(b.kept):>12} {format_bytes(b.offloaded):>12} "
+                f"{format_bytes(b.inputs):>12} {b.calls:>6}{each}"
             )
         if self.outside is None:
             lines.append(
@@ -235,25 +235,21 @@ class MemoryReport:
             )
         else:
             total = sum(self.outside.values())
-            lines.append(f"saved outside the blocks: {_mib(total)} by autograd node")
+            lines.append(f"saved outside the blocks: {format_bytes(total)} by autograd node")
             for node, nbytes in sorted(self.outside.items(), key=lambda kv: (-kv[1], kv[0])):
-                lines.append(f"  {node:<40} {_mib(nbytes):>12}")
+                lines.append(f"  {node:<40} {format_bytes(nbytes):>12}")
             if self.packed:
                 lines.append(f"  ({self.packed} saved tensor(s) packed by saved-tensor hooks)")
         return "\n".join(lines)
 
 
-def _mib(n: int) -> str:
-    return format_bytes(n)
-
-
 def memory_report(
     model: torch.nn.Module | None = None, outputs: Any = None, *, note: str = ""
 ) -> MemoryReport:
-    """What the checkpointed blocks (of ``model``; None: of every model, their buffers then
-    counted among the inputs) hold now, read from prime_ac's stores: no second run. ``outputs`` (a tensor or tensors with a graph: the loss,
-    the model's output) also has the graph behind it walked for what autograd saves outside
-    the blocks, by node.
+    """What the checkpointed blocks of ``model`` hold now, read from prime_ac's stores: no second
+    run. ``model=None`` reports the blocks of every model (their buffers then count among the
+    inputs). ``outputs`` (a tensor or tensors with a graph: the loss, the model's output) also
+    has the graph behind it walked for what autograd saves outside the blocks, by node.
 
     Example::
 
@@ -394,8 +390,8 @@ def _observer(device: int, alloc: int, device_allocated: int, device_free: int) 
     # the graph behind the call's inputs; elsewhere (the backward's own kernels) it is here
     if calls.depth == 0:
         _log(
-            f"CUDA out of memory on device {device} allocating {_mib(alloc)} "
-            f"({_mib(device_free)} free)",
+            f"CUDA out of memory on device {device} allocating {format_bytes(alloc)} "
+            f"({format_bytes(device_free)} free)",
             None,
         )
 
