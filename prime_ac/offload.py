@@ -594,6 +594,7 @@ class SavedInputOffload:
             and not _of_parameter(t)
             and t.layout == torch.strided
             and not t.is_nested
+            and not t.is_quantized
             and t.device.type in ("cpu", "cuda")
             and t.untyped_storage().nbytes() >= self.min_bytes
         )
