@@ -39,6 +39,7 @@ __all__ = [
     "dispatch_op_names",
     "is_compiled_module",
     "is_composite_implicit",
+    "is_top_mode",
     "is_traceable_wrapper_subclass",
     "is_tracing",
     "enable_compiled_offload",
@@ -318,6 +319,15 @@ def region_mode(kinds: tuple[type, ...]) -> Any:
 
     modes = _get_current_dispatch_mode_stack()
     return next((m for m in reversed(modes) if isinstance(m, kinds)), None)
+
+
+def is_top_mode(mode: Any) -> bool:
+    """Whether ``mode`` is the innermost dispatch mode in effect (same private name as
+    :func:`region_mode`)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    modes = _get_current_dispatch_mode_stack()
+    return bool(modes) and modes[-1] is mode
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ import torch
 
 from prime_ac import _compat
 from prime_ac.modes import KeepMode, ReplayMode
+from prime_ac.remat import region_names, route_regions
 from prime_ac.store import KEPT_CALL, input_shapes, packed_as
 
 __all__ = ["keep"]
@@ -34,16 +35,17 @@ _MODES = (KeepMode, ReplayMode)
 
 
 class _KeptCall:
-    """The store key of one ``keep`` name (read as ``op`` in the store's messages)."""
+    """The store key of one ``keep`` name or kept region (read as ``op`` in the store's
+    messages)."""
 
-    __slots__ = ("name",)
+    __slots__ = ("label",)
     kept_call = True  # packed as KEPT_CALL by respect_saved_tensors_hooks (prime_ac.store)
 
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, label: str):
+        self.label = label
 
     def __repr__(self) -> str:
-        return f"prime_ac.keep({self.name!r})"
+        return self.label
 
 
 _keys: dict[str, _KeptCall] = {}
@@ -80,39 +82,62 @@ def keep(fn: Callable[..., Any] | None = None, name: str | None = None) -> Any:
         name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
     if not isinstance(name, str) or not name:
         raise TypeError(f"prime_ac.keep(..., name={name!r}): name the call with a non-empty string")
-    key = _keys.setdefault(name, _KeptCall(name))
+    key = _keys.setdefault(name, _KeptCall(f"prime_ac.keep({name!r})"))
 
     @functools.wraps(fn)
     def kept(*args: Any, **kwargs: Any) -> Any:
         mode = None if torch.compiler.is_compiling() else _compat.region_mode(_MODES)
         if mode is None:
             return fn(*args, **kwargs)
-        store = mode.store
-        if isinstance(mode, ReplayMode):
-            index = store.replay_calls.get(key, 0)
-            out = store.take(key, args, kwargs)
-            if out is NotImplemented:
-                return fn(*args, **kwargs)
-            return _as_in_forward(out, _grads[store][key, index])
-        index = store.forward_calls.get(key, 0)
-        store.forward_calls[key] = index + 1
-        # the tensors fn's backward saves are held, not recomputed (through the user's hooks
-        # where the block respects them), shadowing torch's checkpoint hooks
-        pack, unpack = store.hooks or (_same, _same)
-        if store.hooks is not None:
-            pack = packed_as(KEPT_CALL, pack)
-        with (
-            _compat.without_top_mode(mode),
-            torch.autograd.graph.saved_tensors_hooks(pack, unpack),
-        ):
-            out = fn(*args, **kwargs)
-        store.keep(key, index, out, input_shapes(args, kwargs))
-        leaves = _compat.tree_leaves(out)
-        grads = [isinstance(t, torch.Tensor) and t.requires_grad for t in leaves]
-        _grads.setdefault(store, {})[key, index] = grads
-        return out
+        return _run_kept(mode, key, fn, args, kwargs)
 
     return kept
+
+
+def _run_kept(mode: Any, key: _KeptCall, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """One kept call inside a checkpointed block: run and keep (forward), or hand back."""
+    store = mode.store
+    if isinstance(mode, ReplayMode):
+        index = store.replay_calls.get(key, 0)
+        out = store.take(key, args, kwargs)
+        if out is NotImplemented:
+            return fn(*args, **kwargs)
+        return _as_in_forward(out, _grads[store][key, index])
+    index = store.forward_calls.get(key, 0)
+    store.forward_calls[key] = index + 1
+    # the tensors fn's backward saves are held, not recomputed (through the user's hooks
+    # where the block respects them), shadowing torch's checkpoint hooks
+    pack, unpack = store.hooks or (_same, _same)
+    if store.hooks is not None:
+        pack = packed_as(KEPT_CALL, pack)
+    with (
+        _compat.without_top_mode(mode),
+        torch.autograd.graph.saved_tensors_hooks(pack, unpack),
+    ):
+        out = fn(*args, **kwargs)
+    store.keep(key, index, out, input_shapes(args, kwargs))
+    leaves = _compat.tree_leaves(out)
+    grads = [isinstance(t, torch.Tensor) and t.requires_grad for t in leaves]
+    _grads.setdefault(store, {})[key, index] = grads
+    return out
+
+
+def _kept_region(rid: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """A ``torch_remat.region`` call (:mod:`prime_ac.remat`): kept as a :func:`keep` call
+    where the block's policy keeps the region by name (``"region:<glob>"``) and prime_ac's
+    mode is the innermost one; NotImplemented leaves it to the per-operator decisions."""
+    if torch.compiler.is_compiling():
+        return NotImplemented
+    mode = _compat.region_mode(_MODES)
+    scoped = getattr(getattr(getattr(mode, "rules", None), "policy", None), "scoped", None)
+    if scoped is None or not scoped.keeps_region(rid) or not _compat.is_top_mode(mode):
+        return NotImplemented
+    names = region_names(rid)
+    key = _keys.setdefault(f"region:{names}", _KeptCall(f"remat.region({'/'.join(names)!r})"))
+    return _run_kept(mode, key, fn, args, kwargs)
+
+
+route_regions(_kept_region)
 
 
 def _as_in_forward(out: Any, grads: list[bool]) -> Any:

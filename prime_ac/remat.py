@@ -10,8 +10,11 @@ unless a policy names one of its regions: a model that does not use it pays noth
   ``forward`` that calls ``remat.checkpoint`` itself.
 - ``remat.region(fn, "attention.qkv", recompute=False)(x)`` outside a remat checkpoint is a
   plain call of ``fn``. :func:`track_region_names` makes every such call also push its name
-  here (:func:`current_region`), so that a ``"region:<glob>"`` target decides the operator calls
-  made inside it (:mod:`prime_ac.scopes`).
+  here (:func:`current_region`), so that a ``"!region:<glob>"`` target replays the operator
+  calls made inside it (:mod:`prime_ac.scopes`), and a ``"region:<glob>"`` target keeps the
+  call whole: run once, its backward's saves held and its output kept, handed back in the
+  recompute without running it (:func:`prime_ac.keep`'s machinery, through :func:`route_regions`),
+  as remat's saved region does.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ __all__ = [
     "region_names",
     "remat_available",
     "remat_checkpoint_call",
+    "route_regions",
     "track_region_names",
 ]
 
@@ -100,6 +104,17 @@ def region_names(rid: int) -> tuple[str, ...]:
     return _paths[rid]
 
 
+# What runs a region call a policy keeps whole (prime_ac.keep's machinery, one layer up):
+# (region id, the call, args, kwargs) -> its output, or NotImplemented to call it as it is.
+_router: Any = None
+
+
+def route_regions(router: Any) -> None:
+    """Have ``router`` decide each tracked ``remat.region`` call first (see ``_router``)."""
+    global _router
+    _router = router
+
+
 def _enter(name: str) -> None:
     path = (*_paths[current_region()], name)
     rid = _ids.get(path)
@@ -138,6 +153,10 @@ def track_region_names() -> bool:
         def named(*args: Any, **kwargs: Any) -> Any:
             _enter(qualified)
             try:
+                if _router is not None:
+                    out = _router(current_region(), inner, args, kwargs)
+                    if out is not NotImplemented:
+                        return out
                 return inner(*args, **kwargs)
             finally:
                 _stack.pop()

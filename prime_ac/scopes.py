@@ -9,9 +9,9 @@ some of its calls (the grammar is in docs/checkpointing.md, "Scoped targets and 
 - ``"!<scope>/<target>"`` forces those calls to replay;
 - ``"tag:<name>"`` keeps the tensors model code marked with :func:`tag` (and
   ``"<scope>/tag:<name>"``, ``"!<scope>/tag:<name>"`` likewise);
-- ``"region:<glob>"`` keeps every operator call made inside a ``torch_remat.region`` whose
-  name matches the shell pattern (``"region:attention.*"``), ``"!region:<glob>"`` replays them:
-  a torchtitan model's declared regions, with no prime_ac edit (:mod:`prime_ac.remat`).
+- ``"region:<glob>"`` keeps a ``torch_remat.region`` call whose name matches the shell pattern
+  (``"region:attention.*"``) whole, ``"!region:<glob>"`` replays every call inside it: a
+  torchtitan model's declared regions, with no prime_ac edit (:mod:`prime_ac.remat`).
 
 ``/``, ``!`` and ``tag:`` never occur in the ``ns::op.overload`` grammar, so every string has
 one reading. Precedence: mandatory > forced replay > scoped keep > unscoped keep.
@@ -410,6 +410,7 @@ class ScopeRules:
         self.tracker = ScopeTracker([t for t in self.targets if t.scope])
         self._stack = self.tracker.stack
         self._decisions: dict[tuple[int, str | None, int, int], bool] = {}
+        self._regions: dict[int, bool] = {}  # keeps_region, per region id
         _name_tags(self.targets)
         if self.needs_region:
             track_region_names()
@@ -438,6 +439,20 @@ class ScopeRules:
             decision = self._decisions[key] = self.decide(
                 operator_key(op), path, name, region_names(rid)
             )
+        return decision
+
+    def keeps_region(self, rid: int) -> bool:
+        """Whether the torch_remat region call with names ``rid`` is kept whole: a region target
+        names one of them and no forced-replay region target does."""
+        decision = self._regions.get(rid)
+        if decision is None:
+            names = region_names(rid)
+            named = [
+                t
+                for t in self.targets
+                if t.region is not None and any(fnmatchcase(r, t.region) for r in names)
+            ]
+            decision = self._regions[rid] = bool(named) and not any(t.replay for t in named)
         return decision
 
     def keeps_here(self, op: Any, args: tuple) -> bool:

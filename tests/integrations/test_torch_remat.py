@@ -423,3 +423,24 @@ def test_region_tables_read_as_region_targets():
     assert list(prime_ac.ACConfig.from_dict(table).targets) == ["region:feed_forward"]
     with pytest.raises(ValueError, match="save_regions='attention' must be a list"):
         prime_ac.ACConfig.from_dict({"mode": "region", "save_regions": "attention"})
+
+
+def test_a_kept_region_runs_once_and_holds_what_remat_holds_plus_its_output(no_ac):
+    def counted(apply):
+        model = build()
+        apply(model)
+        calls = []
+        for block in model.layers:
+            block.attention.register_forward_pre_hook(lambda m, a: calls.append(m))
+        loss_fn(model).backward()
+        return len(calls)
+
+    assert counted(lambda m: None) == 2  # one per block
+    assert counted(lambda m: prime_ac.checkpoint_blocks(m, mode="full")) == 4
+    assert counted(selective(["region:attention"])) == 2  # not run again in the recompute
+    assert counted(lambda m: titan_wrap(m, ["attention"])) == 2
+
+    ours = measured(no_ac, selective(["region:attention"]), "region:attention")
+    theirs = measured(no_ac, lambda m: titan_wrap(m, ["attention"]), "remat attention")
+    output = 2 * T * D * 4  # the region's output, float32, per block
+    assert ours.held == theirs.held + 2 * output
