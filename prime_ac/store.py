@@ -53,7 +53,8 @@ _local = threading.local()
 def saved_tensor_kind() -> str | None:
     """While a saved-tensor pack hook runs for prime_ac, what it packs: ``"checkpoint_input"``
     (a checkpointed block's input), ``"kept"`` (an operator result the policy keeps) or
-    ``"kept_call"`` (the output of a :func:`prime_ac.keep` call); None for any other tensor
+    ``"kept_call"`` (the output of a :func:`prime_ac.keep` call or of a torch_remat region a
+    ``"region:"`` target keeps, or a tensor its backward saves); None for any other tensor
     autograd saves. Kept results reach the hooks only with
     ``checkpoint_blocks(..., respect_saved_tensors_hooks=True)``.
 
