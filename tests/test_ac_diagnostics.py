@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import re
 
@@ -61,11 +62,11 @@ class Stack(nn.Module):
     def __init__(self, dim: int = DIM, n: int = 4):
         super().__init__()
         self.proj = nn.Linear(dim, dim, bias=False)
-        self.layers = nn.ModuleList(Block(dim) for _ in range(n))
+        self.stages = nn.ModuleList(Block(dim) for _ in range(n))  # names no other test uses
 
     def forward(self, x):
         h = self.proj(x)
-        for layer in self.layers:
+        for layer in self.stages:
             h = layer(h)
         return h.pow(2).sum()
 
@@ -73,7 +74,7 @@ class Stack(nn.Module):
 def _stack():
     torch.manual_seed(0)
     model = Stack()
-    prime_ac.checkpoint_blocks(model, mode="selective", blocks="layers")
+    prime_ac.checkpoint_blocks(model, mode="selective", blocks="stages")
     return model
 
 
@@ -89,7 +90,8 @@ def _oom_records(caplog):
 
 def test_an_oom_in_a_forward_logs_what_each_block_holds_once(caplog):
     model = _stack()
-    model.layers[2].fails.armed = True
+    gc.collect()  # no call of an earlier test's graph is alive: the report lists them all
+    model.stages[2].fails.armed = True
     x = torch.randn(TOKENS, DIM)
     with (
         caplog.at_level(logging.ERROR, logger="prime_ac"),
@@ -101,8 +103,8 @@ def test_an_oom_in_a_forward_logs_what_each_block_holds_once(caplog):
     lines = records[0].getMessage().splitlines()
     assert "OutOfMemoryError" in lines[0]
     # blocks 0 and 1 ran and keep both matmuls; block 2 failed after its first one
-    assert _row(lines, "x2 layers.0-1") == ["48.00 KiB", "0 B", "16.00 KiB", "1"]
-    assert _row(lines, "layers.2") == ["32.00 KiB", "0 B", "16.00 KiB", "1"]
+    assert _row(lines, "x2 stages.0-1") == ["48.00 KiB", "0 B", "16.00 KiB", "1"]
+    assert _row(lines, "stages.2") == ["32.00 KiB", "0 B", "16.00 KiB", "1"]
     # outside the blocks: the projection saved x, found from block 2's inputs
     if _compat.SAVED_TENSOR_DATA:
         assert _row(lines, "MmBackward0") == ["16.00 KiB"]
@@ -111,18 +113,19 @@ def test_an_oom_in_a_forward_logs_what_each_block_holds_once(caplog):
 def test_an_oom_in_a_recompute_logs_once_and_propagates(caplog):
     model = _stack()
     loss = model(torch.randn(TOKENS, DIM))
-    # the recompute of layers.1 reruns what it replays: the armed module raises there
-    model.layers[1].fails.armed = True
+    # the recompute of stages.1 reruns what it replays: the armed module raises there
+    gc.collect()
+    model.stages[1].fails.armed = True
     with caplog.at_level(logging.ERROR, logger="prime_ac"), pytest.raises(torch.OutOfMemoryError):
         loss.backward()
     records = _oom_records(caplog)
     assert len(records) == 1
     lines = records[0].getMessage().splitlines()
-    # layers.2-3 ran their backward and are gone; layers.0 keeps its results, layers.1's
+    # stages.2-3 ran their backward and are gone; stages.0 keeps its results, stages.1's
     # recompute was handed its up projection before it failed
-    assert _row(lines, "layers.0") == ["48.00 KiB", "0 B", "16.00 KiB", "1"]
-    assert _row(lines, "layers.1") == ["16.00 KiB", "0 B", "16.00 KiB", "1"]
-    assert not any("layers.2" in line or "layers.3" in line for line in lines)
+    assert _row(lines, "stages.0") == ["48.00 KiB", "0 B", "16.00 KiB", "1"]
+    assert _row(lines, "stages.1") == ["16.00 KiB", "0 B", "16.00 KiB", "1"]
+    assert not any("stages.2" in line or "stages.3" in line for line in lines)
 
 
 def _row(lines, name):
@@ -191,7 +194,7 @@ def test_outside_saves_are_counted_by_node_and_byte():
     # the audit finds the projection's save before every block, and holds what the live
     # report holds but x, which the audit's step did not create
     report = prime_ac.audit(model, lambda m: m(x))
-    assert report.outside_bytes_before == {f"layers.{i}": x.nbytes for i in range(4)}
+    assert report.outside_bytes_before == {f"stages.{i}": x.nbytes for i in range(4)}
     assert report.held_bytes == live.kept + live.inputs + sum(live.outside.values()) - x.nbytes
 
 
@@ -236,7 +239,7 @@ def test_labels_name_the_kept_and_offloaded_calls(monkeypatch):
     )
     torch.manual_seed(0)
     model = Stack()
-    prime_ac.checkpoint_blocks(model, mode="selective", blocks="layers", offload=["aten::sin"])
+    prime_ac.checkpoint_blocks(model, mode="selective", blocks="stages", offload=["aten::sin"])
     x = torch.randn(TOKENS, DIM)
     model(x).backward()  # outside the context: nothing is told
     assert told == []
@@ -245,7 +248,7 @@ def test_labels_name_the_kept_and_offloaded_calls(monkeypatch):
     labels = told[0::2]
     assert told[1::2] == [""] * len(labels)  # each label is cleared after its call
     for i in range(4):
-        block = f"block 'layers.{i}'"
+        block = f"block 'stages.{i}'"
         # both matmuls kept, both sines kept (and offloaded), nothing replayed is labelled
         assert labels.count(f"prime_ac kept {block} aten::mm.default") == 2
         assert labels.count(f"prime_ac kept {block} aten::sin.default") == 2
