@@ -111,14 +111,20 @@ class Collected:
     def __init__(self) -> None:
         self.inputs: dict[str, dict[int, int]] = {}  # block -> storage id -> bytes
         # block -> bytes autograd saved outside the blocks before the call (the graph behind
-        # its inputs; storages of earlier blocks' inputs left out)
+        # its inputs; storages of the blocks' inputs left out)
         self.outside_before: dict[str, int] = {}
+        # each call's walk goes on from where the one before stopped: one pass over the graph
+        self._seen: dict[int, int] = {}
+        self._visited: dict[int, Any] = {}
+        self._outside = 0
 
     def first_call(self, name: str, inputs: dict[int, int], args: Any) -> None:
         self.inputs[name] = inputs
-        seen = {sid: n for found in self.inputs.values() for sid, n in found.items()}
+        self._seen.update(inputs)
         if _compat.SAVED_TENSOR_DATA:
-            self.outside_before[name] = sum(saved_outside(args, seen)[0].values())
+            by_node, _ = saved_outside(args, self._seen, self._visited)
+            self._outside += sum(by_node.values())
+            self.outside_before[name] = self._outside
 
 
 _collecting: Collected | None = None
@@ -303,13 +309,17 @@ def _store_bytes(store: Any, seen: dict[int, int]) -> tuple[int, int]:
     return kept, offloaded
 
 
-def saved_outside(outputs: Any, seen: dict[int, int] | None = None) -> tuple[dict[str, int], int]:
+def saved_outside(
+    outputs: Any, seen: dict[int, int] | None = None, visited: dict[int, Any] | None = None
+) -> tuple[dict[str, int], int]:
     """What autograd saved outside checkpointed blocks in the graph behind ``outputs``: bytes
     per node name (each storage once, none already in ``seen``), and how many saves a
     saved-tensor hook packed into something else (an offload's record). Saves inside a
     checkpoint are holders its recompute fills and are not counted; the checkpoints' own
-    input saves are the blocks' inputs."""
+    input saves are the blocks' inputs. Nodes in ``visited`` (filled here) are not walked."""
     seen = {} if seen is None else seen
+    # the nodes themselves too: an id is unique while they live
+    visited = {} if visited is None else visited
     roots = [
         t.grad_fn
         for t in _compat.tree_leaves(outputs)
@@ -317,7 +327,6 @@ def saved_outside(outputs: Any, seen: dict[int, int] | None = None) -> tuple[dic
     ]
     by_node: dict[str, int] = {}
     packed = 0
-    visited: dict[int, Any] = {}  # the nodes themselves too: an id is unique while they live
     stack = list(roots)
     while stack:
         node = stack.pop()
