@@ -13,12 +13,17 @@ saved, and rebuilds each view on the storage brought back; parameters and their 
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import prime_ac
 from prime_ac.offload import SavedInputOffload
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from test_ac_input_offload import _StandInCuda, stand_in_streams  # noqa: E402, F401
 
 
 def _of_parameter(t: torch.Tensor) -> bool:
@@ -60,7 +65,10 @@ def qwen3():
         use_cache=False,
     )
     torch.manual_seed(0)
-    return transformers.Qwen3ForCausalLM(config)
+    model = transformers.Qwen3ForCausalLM(config)
+    with torch.no_grad():  # transformers imports what its forward needs, before any stand-in
+        model(input_ids=IDS)
+    return model
 
 
 IDS = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(0))
@@ -199,3 +207,29 @@ def test_views_of_parameters_stay():
     assert offload.ledger.offloaded == 1  # the input (2 KiB)
     assert offload.left_bytes == 0
     out.sum().backward()
+
+
+def test_the_stream_path_moves_views_by_storage_with_two_forwards_in_flight(qwen3, stand_in_streams):
+    """The CUDA path's bookkeeping (stand-in streams, tests/test_ac_input_offload.py) on prime-rl's
+    layers without AC: views share their storage's copy and its inbound copy, the unpack before
+    each starts bringing back the storage saved before it; bitwise, the pool serving step 2."""
+    reference = copy.deepcopy(qwen3)
+    reference(input_ids=IDS, labels=IDS).loss.backward()
+    model = copy.deepcopy(qwen3)
+    prime_ac.checkpoint_blocks(model, config=prime_ac.ACConfig(freq=2))
+    offload = _StandInCuda(pin_memory=False, max_inflight=2)
+    allocations = []
+    for _ in range(2):
+        model.zero_grad()
+        with offload:
+            first = model(input_ids=IDS, labels=IDS).loss
+        with offload:
+            second = model(input_ids=IDS, labels=IDS).loss
+        (0.5 * first + 0.5 * second).backward()
+        del first, second
+        allocations.append(offload.buffer_allocations)
+        for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+            assert torch.equal(a.grad, b.grad)
+        assert offload.ledger.host == 0
+    assert allocations[0] > 0 and allocations[1] == allocations[0]
+    assert "prefetched" in offload.found
