@@ -257,18 +257,22 @@ def to_html(data: dict[str, Any]) -> str:
 .point:hover rect.bar{{stroke:#000;stroke-width:1}}</style></head>
 <body><h3>{html.escape(title)}</h3>
 {"".join(parts)}
-<pre id="detail">Hover a bar for its block's decisions.</pre>
+<pre id="detail">Hover a bar for its block's decisions (JavaScript is off).</pre>
 <script type="application/json" id="prime-ac-data">{blob}</script>
 <script>
 const data = JSON.parse(document.getElementById("prime-ac-data").textContent);
 const blocks = Object.fromEntries(data.blocks.map(b => [b.block, b]));
 const mib = n => (n / 1048576).toFixed(3) + " MiB";
+const show = i => {{
+  const p = data.points[i], b = blocks[p.block];
+  document.getElementById("detail").textContent = p.label + ": " + mib(p.device) +
+    " on the device\\n" + b.decisions.join("\\n");
+}};
 for (const g of document.querySelectorAll("g.point")) {{
-  g.addEventListener("mouseenter", () => {{
-    const p = data.points[+g.dataset.index], b = blocks[p.block];
-    document.getElementById("detail").textContent = p.label + ": " + mib(p.device) +
-      " on the device\\n" + b.decisions.join("\\n");
-  }});
+  g.addEventListener("mouseenter", () => show(+g.dataset.index));
+}}
+if (data.points.length) {{  // the peak's decisions until a bar is hovered
+  show(data.points.reduce((m, p, i, all) => (p.device > all[m].device ? i : m), 0));
 }}
 </script></body></html>
 """

@@ -7,6 +7,7 @@ one in PRIME_AC_BROWSER); without one it skips saying so.
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -229,18 +230,17 @@ def test_the_page_renders_in_a_headless_browser(planned, tmp_path):
     report, plan, measured = planned
     page, shot = tmp_path / "plan.html", tmp_path / "plan.png"
     data = write(report, str(page), plan=plan, measured_peak=measured)
+    command = [
+        browser,
+        "--headless",
+        "--no-sandbox",  # root in CI containers
+        "--disable-gpu",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        "--hide-scrollbars",
+        "--window-size=900,560",
+    ]
     subprocess.run(
-        [
-            browser,
-            "--headless",
-            "--no-sandbox",  # root in CI containers
-            "--disable-gpu",
-            "--hide-scrollbars",
-            f"--user-data-dir={tmp_path / 'profile'}",
-            "--window-size=900,560",
-            f"--screenshot={shot}",
-            page.as_uri(),
-        ],
+        [*command, f"--screenshot={shot}", page.as_uri()],
         check=True,
         capture_output=True,
         timeout=120,
@@ -259,3 +259,16 @@ def test_the_page_renders_in_a_headless_browser(planned, tmp_path):
     budget = np.array([0xE1, 0x57, 0x59])
     assert (np.abs(pixels - budget).max(axis=2) <= 2).sum() > 200  # the budget line
     assert data["budget"] == plan.budget
+    # the script ran: the panel shows the peak's point and its block's decisions
+    dom = subprocess.run(
+        [*command[:5], "--dump-dom", page.as_uri()],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    panel = re.search(r'<pre id="detail">(.*?)</pre>', dom, re.S).group(1)
+    peak = max(data["points"], key=lambda p: p["device"])
+    block = next(b for b in data["blocks"] if b["block"] == peak["block"])
+    assert panel.startswith(f"{peak['label']}: ")
+    assert html.unescape(panel).splitlines()[1:] == block["decisions"]
