@@ -294,12 +294,12 @@ class ACConfig:
         unknown = sorted(set(table) - known)
         if unknown:
             misplaced = [key for key in unknown if key in _OFFLOADING_KEYS]
+            nested = ", ".join(f"{key!r}: ..." for key in misplaced)
             raise ValueError(
                 f"unknown activation-checkpointing key(s) {unknown}: accepted keys are {sorted(known)}"
                 + (
                     f"; {misplaced} belong to prime-rl's [trainer.model.ac_offloading] table: nest "
-                    f"them, {{'ac_offloading': {{{', '.join(repr(k) + ': ...' for k in misplaced)}}}}}"
-                    ", or pass that table alone"
+                    f"them, {{'ac_offloading': {{{nested}}}}}, or pass that table alone"
                     if misplaced
                     else ""
                 )

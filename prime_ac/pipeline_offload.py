@@ -188,7 +188,9 @@ class PipelineActivationOffload:
     ``buffer_allocations`` the host buffers allocated (the pool serves the rest).
     """
 
-    def __init__(self, model_parts: Iterable[nn.Module], config: PipelineOffloadConfig | None = None):
+    def __init__(
+        self, model_parts: Iterable[nn.Module], config: PipelineOffloadConfig | None = None
+    ):
         self.config = PipelineOffloadConfig() if config is None else config
         self.ledger = Ledger()
         self.buffer_allocations = 0

@@ -22,7 +22,8 @@ def _checklist(title: str) -> list[str]:
 
 def _tests_in(path: Path) -> set[str]:
     tree = ast.parse(path.read_text())
-    return {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")}
+    functions = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
+    return {n.name for n in functions if n.name.startswith("test_")}
 
 
 @pytest.mark.parametrize(

@@ -97,7 +97,7 @@ def test_offload_plan_on_prime_rls_1f1b_order():
     assert offload_plan(last, None, 1) == (set(), {})
 
 
-# --- one stage, one process -------------------------------------------------------------------------
+# --- one stage, one process --------------------------------------------------------------------
 
 
 class Block(nn.Module):
@@ -206,7 +206,8 @@ def test_fp8_target_error_bound_and_what_it_leaves():
 
     # prime-rl's condition: bf16, contiguous, whole storage, last dim a multiple of 128
     stage = Stage().bfloat16()  # DIM = 64
-    offload = PipelineActivationOffload([stage], PipelineOffloadConfig(min_bytes=1024, target="fp8"))
+    fp8 = PipelineOffloadConfig(min_bytes=1024, target="fp8")
+    offload = PipelineActivationOffload([stage], fp8)
     x = _inputs(2, 1, torch.bfloat16)[0]
     with offload.forward((0, 0)):
         out = stage(x)
@@ -218,7 +219,9 @@ def test_fp8_target_compresses_on_the_device_and_refills_in_place():
     class Wide(nn.Module):
         def __init__(self):
             super().__init__()
-            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(128, 128), nn.Tanh()) for _ in range(2))
+            self.layers = nn.ModuleList(
+                nn.Sequential(nn.Linear(128, 128), nn.Tanh()) for _ in range(2)
+            )
 
         def forward(self, x):
             for layer in self.layers:
@@ -229,7 +232,8 @@ def test_fp8_target_compresses_on_the_device_and_refills_in_place():
     stage = Wide().bfloat16()
     prime_ac.checkpoint_blocks(stage, mode="full")
     x = torch.randn(4, 16, 128).bfloat16()
-    offload = PipelineActivationOffload([stage], PipelineOffloadConfig(min_bytes=1024, target="fp8"))
+    fp8 = PipelineOffloadConfig(min_bytes=1024, target="fp8")
+    offload = PipelineActivationOffload([stage], fp8)
     with offload.forward((0, 0)):
         out = stage(x)
     offload.swap_out((0, 0), out)
@@ -296,7 +300,10 @@ def _two_stages(rank, world_size):
     for label, config in [
         ("no offload", None),
         ("offload", PipelineOffloadConfig(min_bytes=1024, prefetch_ahead=1)),
-        ("offload, capped", PipelineOffloadConfig(min_bytes=1024, prefetch_ahead=1, host_cap=ACT_BYTES)),
+        (
+            "offload, capped",
+            PipelineOffloadConfig(min_bytes=1024, prefetch_ahead=1, host_cap=ACT_BYTES),
+        ),
     ]:
         stage = copy.deepcopy(full[rank])
         prime_ac.checkpoint_blocks(stage, mode="full")

@@ -13,7 +13,8 @@ Sources mirrored (PrimeIntellect-ai/prime-rl in the search index):
   ``nullcontext``.
 - tests/unit/utils/test_activation_offloading.py @ 7cbf687e80d2:
   ``test_selective_checkpoint_preserves_cached_metadata_identity`` and the reuse tests
-  (``test_context_can_be_reused_after_backward``, ``test_reentry_preserves_pending_backward_graph``).
+  (``test_context_can_be_reused_after_backward``,
+  ``test_reentry_preserves_pending_backward_graph``).
 - src/prime_rl/trainer/models/layers/fp8_linear.py @ 0dc9cd7d9906: ``Float8BlockwiseLinear.forward``
   returns ``_fp8_blockwise_mm(x, self.weight, self.block_size)``.
 """
@@ -42,7 +43,7 @@ MIGRATION = (Path(__file__).parents[2] / "docs" / "migration.md").read_text()
 SAVE, RECOMPUTE = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
 
 
-# --- get_layer_modes with prime-rl's fourth argument -----------------------------------------------
+# --- get_layer_modes with prime-rl's fourth argument ------------------------------------------
 
 
 def test_get_layer_modes_takes_prime_rls_parts():
@@ -81,7 +82,7 @@ def test_make_policy_replaces_prime_rls_policy_functions():
     assert 'prime_ac.make_policy("selective", targets)' in MIGRATION
 
 
-# --- ACConfig.from_dict: the offloading keys un-nested ----------------------------------------------
+# --- ACConfig.from_dict: the offloading keys un-nested -----------------------------------------
 
 
 @pytest.mark.parametrize("key", ["pin_memory", "max_inflight_activations"])
@@ -196,7 +197,8 @@ def test_prime_rls_default_is_kept_by_passing_its_validated_table():
 
 
 def test_fp8_linear_calls_the_name_the_doc_binds():
-    match = re.search(r"^_fp8_blockwise_mm = (torch\.ops\.prime_rl\.fp8_blockwise_mm)$", MIGRATION, re.M)
+    line = r"^_fp8_blockwise_mm = (torch\.ops\.prime_rl\.fp8_blockwise_mm)$"
+    match = re.search(line, MIGRATION, re.M)
     assert match, "migration.md binds _fp8_blockwise_mm"
     namespace = {"torch": torch}
     exec(match.group(0), namespace)  # the line, in fp8_linear.py's namespace

@@ -209,7 +209,9 @@ def test_views_of_parameters_stay():
     out.sum().backward()
 
 
-def test_the_stream_path_moves_views_by_storage_with_two_forwards_in_flight(qwen3, stand_in_streams):
+def test_the_stream_path_moves_views_by_storage_with_two_forwards_in_flight(
+    qwen3, stand_in_streams
+):
     """The CUDA path's bookkeeping (stand-in streams, tests/test_ac_input_offload.py) on prime-rl's
     layers without AC: views share their storage's copy and its inbound copy, the unpack before
     each starts bringing back the storage saved before it; bitwise, the pool serving step 2."""
