@@ -235,6 +235,7 @@ def test_the_page_renders_in_a_headless_browser(planned, tmp_path):
         "--headless",
         "--no-sandbox",  # root in CI containers
         "--disable-gpu",
+        "--disable-dev-shm-usage",  # containers' small /dev/shm
         f"--user-data-dir={tmp_path / 'profile'}",
         "--hide-scrollbars",
         "--window-size=900,560",
