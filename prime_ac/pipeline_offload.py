@@ -302,10 +302,11 @@ class PipelineActivationOffload:
         flats, hosts = [], []
         cuda = any(storage.device.type == "cuda" for storage, _, _ in pairs)
         h2d = self._stream(1) if cuda else None
+        if cuda:  # the host copies must be complete before they are read back
+            h2d.wait_stream(self._stream(0))
+        # CUDA: the storages are allocated from the copy stream's pool, not the compute stream's
         with torch.cuda.stream(h2d) if cuda else contextlib.nullcontext():
             for storage, host, nbytes in pairs:
-                if cuda:  # allocated from the copy stream's pool, not the compute stream's
-                    h2d.wait_stream(torch.cuda.current_stream(storage.device))
                 storage.resize_(nbytes)
                 flat = _bytes(storage)
                 flat.copy_(host, non_blocking=cuda)
