@@ -549,8 +549,7 @@ def _report(problems: list[tuple[str, str]], strict: bool, targets: Iterable[str
         if found and say_once(("match nothing for now", tuple(targets), tuple(found))):
             logger.log(
                 level,
-                "prime_ac: %d target(s) match nothing for now (said once per process and "
-                "list): %s",
+                "prime_ac: %d target(s) match nothing for now (said once per process and list): %s",
                 len(found),
                 "; ".join(f"{target!r} {reason}" for target, reason in found),
             )

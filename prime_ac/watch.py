@@ -70,6 +70,7 @@ def unloaded_namespaces(targets: Any) -> set[str]:
             continue
     return {ns for ns in namespaces if ns not in registered and ns != "higher_order"}
 
+
 # Namespaces whose operators communicate with other ranks: a recompute that replays one must
 # replay it on every rank.
 COMMUNICATION_NAMESPACES = frozenset(

@@ -78,7 +78,7 @@ def test_make_policy_replaces_prime_rls_policy_functions():
     assert selective(ctx, aten.sin.default) is RECOMPUTE
     for policy in (mandatory, selective):  # both keep what prime-rl mandates (topk)
         assert policy(ctx, aten.topk.default) is SAVE
-    assert "_mandatory_checkpoint_policy` is `prime_ac.make_policy(\"full\")`" in MIGRATION
+    assert '_mandatory_checkpoint_policy` is `prime_ac.make_policy("full")`' in MIGRATION
     assert 'prime_ac.make_policy("selective", targets)' in MIGRATION
 
 
@@ -138,8 +138,12 @@ def _run_snippet(ac_table: dict, ac_offloading_table: dict | None, steps: int):
     allocations = []
     for step in range(steps):
         namespace["micro_batches"] = [
-            {"input_ids": torch.randn(4, 64, generator=torch.Generator().manual_seed(step * 2 + i)),
-             "position_ids": None}
+            {
+                "input_ids": torch.randn(
+                    4, 64, generator=torch.Generator().manual_seed(step * 2 + i)
+                ),
+                "position_ids": None,
+            }
             for i in range(2)
         ]
         exec("for micro_batch in micro_batches:" + loop, namespace)
@@ -170,7 +174,7 @@ def test_one_offloader_per_step_allocates_every_step():
     model = _Model()
     prime_ac.checkpoint_blocks(model, config=config)
     per_step = []
-    for step in range(3):
+    for _ in range(3):
         offload = config.input_offload()
         with offload:
             loss = model(torch.randn(4, 64)).square().mean()

@@ -23,7 +23,8 @@ import prime_ac
 from prime_ac.offload import SavedInputOffload
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from test_ac_input_offload import _StandInCuda, stand_in_streams  # noqa: E402, F401
+from test_ac_input_offload import _StandInCuda  # noqa: E402
+from test_ac_input_offload import stand_in_streams as stand_in_streams  # noqa: E402, F401
 
 
 def _of_parameter(t: torch.Tensor) -> bool:
@@ -209,9 +210,8 @@ def test_views_of_parameters_stay():
     out.sum().backward()
 
 
-def test_the_stream_path_moves_views_by_storage_with_two_forwards_in_flight(
-    qwen3, stand_in_streams
-):
+@pytest.mark.usefixtures("stand_in_streams")
+def test_the_stream_path_moves_views_by_storage_with_two_forwards_in_flight(qwen3):
     """The CUDA path's bookkeeping (stand-in streams, tests/test_ac_input_offload.py) on prime-rl's
     layers without AC: views share their storage's copy and its inbound copy, the unpack before
     each starts bringing back the storage saved before it; bitwise, the pool serving step 2."""
