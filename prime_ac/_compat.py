@@ -25,7 +25,6 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 __all__ = [
     "COMPILED_OFFLOAD",
-    "CachedSACMode",
     "CachingSACMode",
     "CHECKPOINT_RESPECTS_HOOKS",
     "FSDP_ALL_GATHER_COPY_IN",
@@ -137,12 +136,10 @@ SAC_IGNORED_OPS: frozenset = frozenset(
 
 # torch's own SAC mode classes. prime_ac asks which higher-order operators have a rule registered
 # for them, to register the same redirect for its own modes (the dispatcher looks rules up by
-# exact mode type); compiled regions (prime_ac.compiled) run them, the forward one subclassed to
-# mark offloaded nodes. Same names and constructor arguments (policy_fn, storage[, allow
-# mutation]) 2.4-2.14. Public replacement: create_selective_checkpoint_contexts, which makes
-# the pair but takes no subclass.
+# exact mode type); compiled regions (prime_ac.compiled) give the forward one that
+# create_selective_checkpoint_contexts makes a subclass marking offloaded nodes. Same names
+# 2.4-2.14. Public replacement: none (create_selective_checkpoint_contexts takes no subclass).
 CachingSACMode = _checkpoint._CachingTorchDispatchMode
-CachedSACMode = _checkpoint._CachedTorchDispatchMode
 _TORCH_SAC_MODES = tuple(
     cls
     for cls in (

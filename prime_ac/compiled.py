@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from prime_ac import _compat
 from prime_ac.policy import OperatorPolicy
@@ -94,6 +94,7 @@ class CompiledPlan:
         self.block = block
         self.planned = {op for op, _ in kept | offloaded}
         self.traced: tuple[tuple[Any, int, str], ...] = ()
+        self.warned_cpu = False
         self.compile_handle = _compat.own_code_getter(self)
 
     def decide(self, op: Any, index: int, ctx: Any, args: tuple, kwargs: dict) -> str:
@@ -178,14 +179,17 @@ def plan_contexts(handle: Callable[[], CompiledPlan]) -> tuple[Any, Any]:
     plan = handle()
     _count_traced(plan)
     _warn_unwatched(plan.policy)
-    storage: dict[Any, dict[int, Any]] = defaultdict(dict)
-    forward = _TaggingMode(plan.tagger(), storage)
-    return forward, _compat.CachedSACMode(None, storage, False)
+    forward, recompute = create_selective_checkpoint_contexts(plan.tagger())
+    forward.__class__ = _TaggingMode  # the same mode and storage (whose layout torch changes)
+    forward.plan = plan
+    return forward, recompute
 
 
 class _TaggingMode(_compat.CachingSACMode):
     """torch's forward SAC mode; on leaving, the nodes it tagged ``MUST_CPU_OFFLOAD`` become
-    saved values marked for torch's offload pass (values on the CPU: saved in place)."""
+    saved values marked for torch's offload pass (values on the CPU: saved in place). Made by
+    giving the mode ``create_selective_checkpoint_contexts`` returns this class: it adds no
+    state, and the mode's constructor and storage differ across torch releases."""
 
     def __enter__(self) -> Any:
         proxy = _compat.proxy_mode()
@@ -196,11 +200,11 @@ class _TaggingMode(_compat.CachingSACMode):
     def __exit__(self, *exc: Any) -> Any:
         out = super().__exit__(*exc)
         if self._graph is not None and _OFFLOAD is not None:
-            _mark_offloads(list(self._graph.nodes)[self._start :])
+            _mark_offloads(list(self._graph.nodes)[self._start :], self.plan)
         return out
 
 
-def _mark_offloads(nodes: list[Any]) -> None:
+def _mark_offloads(nodes: list[Any], plan: CompiledPlan) -> None:
     marked = on_cpu = 0
     for node in nodes:
         if node.meta.get("recompute") is not _OFFLOAD:
@@ -214,21 +218,13 @@ def _mark_offloads(nodes: list[Any]) -> None:
             on_cpu += 1
     if marked:
         _compat.enable_compiled_offload()
-    if on_cpu:
-        _warn_cpu_once()
-
-
-_warned_cpu: list[bool] = []
-
-
-def _warn_cpu_once() -> None:
-    if not _warned_cpu:
-        _warned_cpu.append(True)
+    if on_cpu and not plan.warned_cpu:  # once per plan
+        plan.warned_cpu = True
         warnings.warn(
-            "prime_ac: a compiled block offloads results that are on the CPU: they stay saved "
-            "where they are (torch's compile-side offload moves device memory to the host; "
-            "eager offload on the CPU makes a copy in the same memory). Bytes held are the same "
-            "as keeping them.",
+            f"prime_ac: {plan.owner} offloads results that are on the CPU in a compiled block: "
+            "they stay saved where they are (torch's compile-side offload moves device memory "
+            "to the host; eager offload on the CPU makes a copy in the same memory). Bytes held "
+            "are the same as keeping them.",
             stacklevel=2,
         )
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 import warnings
 import weakref
 
@@ -101,7 +102,7 @@ def _compiled_step(model, fullgraph):
     for layer in model.layers:
         layer.compile(backend="aot_eager", fullgraph=fullgraph)
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "prime_ac: a compiled block offloads results")
+        warnings.filterwarnings("ignore", ".* offloads results that are on the CPU")
         _loss(model).backward()
     return [p.grad for p in model.parameters()]
 
@@ -285,7 +286,7 @@ def test_offload_of_host_values_in_a_compiled_block_warns_and_keeps():
     """On the CPU there is no host to move to: the planned offload is saved in place, as
     keeping it would, with a warning."""
     plan = compiled_plan(make_policy("full"), offloaded=[(MM, 0)], owner="cpu")
-    with pytest.warns(UserWarning, match="offloads results that are on the CPU"):
+    with pytest.warns(UserWarning, match="cpu offloads results that are on the CPU"):
         forward, _ = _partitioned(plan, "cpu")
     assert not _targets(forward, "ao.offload")
     assert "mm" in {n.name for n in forward.find_nodes(op="output")[0].args[0]}
@@ -296,7 +297,7 @@ def test_offload_without_compile_side_offload_raises_at_the_first_compiled_call(
     """torch 2.9-2.12: a compiled block that would offload raises, naming the torch version and
     what to do, never a silent keep."""
     plan = compiled_plan(make_policy("full"), offloaded=[(MM, 0)], owner="old")
-    with pytest.raises(Exception, match=rf"torch {torch.__version__} has no compile-side offload"):
+    with pytest.raises(Exception, match=rf"torch {re.escape(torch.__version__)} has no compile-side"):
         _partitioned(plan, "cpu")
 
 
