@@ -118,7 +118,7 @@ class BlockPlan:
         """Scoped targets that keep exactly the calls this plan keeps, for a config file.
 
         ``checkpoint_blocks(model, mode="selective", targets=plan.as_targets())`` then keeps the
-        same calls (the same bytes, the same replayed FLOPs) and, unlike the plan, compiles.
+        same calls (the same bytes, the same replayed FLOPs) and fits in a config file.
         An operator kept in its own submodule becomes ``"<path>/<op>"``; one kept in the block's
         own code becomes ``"<op>"`` with ``"!<path>/<op>"`` for the submodules where it replays.
         Raises ValueError when the plan keeps some calls of an operator in a submodule but not

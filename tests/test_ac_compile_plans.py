@@ -361,3 +361,28 @@ def test_blocks_compiled_before_their_first_step_warn_that_the_watch_misses_them
         block.compile(backend="aot_eager", fullgraph=True)
     with pytest.warns(UserWarning, match=r"compiled before their first step \(0, 1\)"):
         model(torch.randn(8, 16)).sum().backward()
+
+
+@pytest.mark.skipif(not OFFLOAD, reason="compile-side offload needs torch 2.13+")
+def test_named_offload_in_compiled_blocks_is_tagged_not_silently_kept():
+    """offload=["aten::mm"] on compiled blocks: the mm results are tagged for offload (on the
+    CPU: kept in place, said once), gradients bitwise those of the eager offload."""
+    torch._dynamo.reset()
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = nn.Sequential(Block(), Block())
+        prime_ac.checkpoint_blocks(
+            model, mode="full", offload=["aten::mm"], blocks=lambda n, m: isinstance(m, Block)
+        )
+        models.append(model)
+    for block in models[0]:
+        block.compile(backend="aot_eager", fullgraph=True)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    with pytest.warns(UserWarning, match="offloads results that are on the CPU"):
+        models[0](x).sum().backward()
+    models[1](x).sum().backward()
+    assert all(
+        torch.equal(a.grad, b.grad)
+        for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True)
+    )
