@@ -434,7 +434,7 @@ def plan_budget(
     with ranks.failures_reported(group):
         if peak and device is not None and device.type == "cuda":
             timer = CallTimer(blocks)
-        phases = _phases_measured(blocks, profile, one_memory) if peak else None
+        phases = _phases_measured(blocks, profile, one_memory) if peak and blocks else None
         with timer or contextlib.nullcontext(), phases or contextlib.nullcontext() as measured:
             tracker, profiled = measured or (None, profile)
             with tracker or contextlib.nullcontext():
@@ -638,7 +638,8 @@ def _phases_measured(
         for i, (_, block) in enumerate(blocks)
     ]
     try:
-        with rng_states_counted(tracker, [b for _, b in blocks if rng]):
+        saving = [b for _, b in blocks if rng and checkpoint_state(b).preserve_rng_state]
+        with rng_states_counted(tracker, saving):
             yield tracker, measured_profile
     finally:
         for hook in hooks:
