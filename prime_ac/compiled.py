@@ -28,15 +28,14 @@ on a side stream with prefetch when its flags say so. The forward mode here
 the region's trace ends, and :func:`prime_ac._compat.enable_compiled_offload` turns torch's
 flags on (they act only on nodes marked so, which only prime_ac marks). Values on the CPU stay
 where they are (there is no host to move them to; eager offload makes a copy in the same
-memory), with a warning once. A torch without compile-side offload (2.9-2.12) raises at the
-first compiled call that would offload.
+memory), with a warning once per plan. A torch without compile-side offload (2.9) raises at
+the first compiled call that would offload.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import warnings
 import weakref
 from collections import defaultdict
@@ -47,7 +46,6 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from prime_ac import _compat
-from prime_ac.policy import OperatorPolicy
 
 __all__ = [
     "CompiledPlan",
@@ -59,8 +57,6 @@ __all__ = [
     "eager_forwards",
     "watched",
 ]
-
-logger = logging.getLogger("prime_ac")
 
 _SAVE = CheckpointPolicy.MUST_SAVE
 _RECOMPUTE = CheckpointPolicy.MUST_RECOMPUTE
@@ -93,7 +89,7 @@ class CompiledPlan:
         self.policy, self.kept, self.offloaded, self.owner = policy, kept, offloaded, owner
         self.block = block
         self.planned = {op for op, _ in kept | offloaded}
-        self.traced: tuple[tuple[Any, int, str], ...] = ()
+        self.traced: list[tuple[Any, int, str]] = []
         self.warned_cpu = False
         self.compile_handle = _compat.own_code_getter(self)
 
@@ -114,13 +110,13 @@ class CompiledPlan:
         """A fresh policy for one traced region: it counts each overload's calls from 0."""
         counts: dict[Any, int] = defaultdict(int)
         decisions: list[tuple[Any, int, str]] = []
+        self.traced = decisions
 
         def tag(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
             index = counts[op]
             counts[op] = index + 1
             decision = self.decide(op, index, ctx, args, kwargs)
             decisions.append((op, index, decision))
-            self.traced = tuple(decisions)
             if decision == "replayed":
                 return _RECOMPUTE
             if decision == "kept":

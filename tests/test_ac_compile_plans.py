@@ -63,8 +63,8 @@ def _random_plans(model, seed, same=()):
         for call in report.calls[name]:
             if returns_alias(call.op) or schema_is_mutable(call.op):
                 continue
-            choice = rng.choice(("keep", "offload") if call.decision == "mandatory" else
-                                ("keep", "offload", "replay"))
+            mandatory = call.decision == "mandatory"
+            choice = rng.choice(("keep", "offload") if mandatory else ("keep", "offload", "replay"))
             if choice == "offload" and OFFLOAD:
                 offloaded.append((call.op, call.index))
             elif choice != "replay" and call.decision != "mandatory":
@@ -297,7 +297,8 @@ def test_offload_without_compile_side_offload_raises_at_the_first_compiled_call(
     """torch 2.9-2.12: a compiled block that would offload raises, naming the torch version and
     what to do, never a silent keep."""
     plan = compiled_plan(make_policy("full"), offloaded=[(MM, 0)], owner="old")
-    with pytest.raises(Exception, match=rf"torch {re.escape(torch.__version__)} has no compile-side"):
+    version = re.escape(torch.__version__)
+    with pytest.raises(Exception, match=rf"torch {version} has no compile-side offload"):
         _partitioned(plan, "cpu")
 
 
@@ -333,15 +334,17 @@ def test_a_peak_budget_plans_and_calibrates_blocks_compiled_before():
         return m(torch.randn(8, 16, generator=torch.Generator().manual_seed(1))).sum()
 
     prime_ac.checkpoint_blocks(
-        model, mode="selective", targets="auto", budget=1 << 20, profile=loss,
+        model,
+        mode="selective",
+        targets="auto",
+        budget=1 << 20,
+        profile=loss,
         blocks=lambda n, m: isinstance(m, Block),
     )
     plan = checkpoint_state(model[0]).plan
     assert plan.peak.measured is not None and plan.kept
     loss(model).backward()
-    assert all(
-        checkpoint_state(b).compiled.traced for b in model
-    )  # the compiled graphs were traced with the plan
+    assert all(checkpoint_state(b).compiled.traced for b in model)  # traced with the plan
     report = prime_ac.audit(model, loss)
     assert set(report.compiled_blocks.values()) == {
         "compiled graph tagged as its eager forward, call for call"
