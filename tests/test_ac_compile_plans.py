@@ -184,8 +184,8 @@ def _planned_blocks(plans):
 
 
 def test_a_compiled_plan_saves_what_the_eager_plan_holds():
-    """Saved bytes (torch's saved-tensor hooks) of the compiled step equal the eager step's,
-    for two blocks of one class keeping different calls."""
+    """Saved bytes (torch's saved-tensor hooks) of the compiled step equal the eager step's and
+    the audit's of the compiled model, for two blocks of one class keeping different calls."""
     from prime_ac.measure import track_step
 
     torch._dynamo.reset()
@@ -193,7 +193,10 @@ def test_a_compiled_plan_saves_what_the_eager_plan_holds():
     eager, _ = track_step(model, lambda m: m(torch.randn(8, 16)).sum())
     for block in model:
         block.compile(backend="aot_eager", fullgraph=True)
-    assert _saved_bytes(model, model) == eager
+    compiled = _saved_bytes(model, model)
+    assert compiled == eager
+    # the input made inside the step, as _saved_bytes makes it, so both count it
+    assert prime_ac.audit(model, lambda m: m(torch.randn(8, 16)).sum()).held_bytes == compiled
 
 
 def test_many_distinct_plans_warn_at_the_recompile_limit(monkeypatch):
