@@ -55,6 +55,7 @@ __all__ = [
     "compiled_plan_context_fn",
     "compiled_readings",
     "eager_forwards",
+    "offload_ready",
     "watched",
 ]
 
@@ -162,6 +163,16 @@ def compiled_plan(
     if plan is None:
         plan = _plans[key] = CompiledPlan(policy, key[1], key[2], owner, block)
     return plan
+
+
+def offload_ready(policy: Any, plan: Any) -> None:
+    """Before a block with offload compiles: torch's compile-side offload on (its ops
+    registered, its flags read when AOTAutograd keys its cache, so a cached graph with offload
+    nodes is found under the flags it was made with)."""
+    named = getattr(policy, "offload", None)  # prime_ac.offload_targets.OffloadPolicy
+    planned = plan is not None and plan.offloaded
+    if (named or planned) and compiled_offload_supported():
+        _compat.enable_compiled_offload()
 
 
 def compiled_plan_context_fn(plan: CompiledPlan) -> Callable[[], tuple[Any, Any]]:

@@ -27,7 +27,7 @@ from typing import Any
 
 from torch import nn
 
-from prime_ac.compiled import compiled_plan, watched
+from prime_ac.compiled import compiled_plan, offload_ready, watched
 from prime_ac.contexts import block_context_fn, portable
 from prime_ac.policy import OperatorPolicy
 from prime_ac.region import cache_positions, run_region
@@ -223,6 +223,7 @@ def wrap_block(block: nn.Module, state: BlockCheckpoint) -> None:
         )
     if state.watch is not None:  # a compiled block traced before its first step warns
         watched(state.policy, state.watch)
+    offload_ready(state.policy, state.plan)
     setattr(block, _STATE, dataclasses.replace(state, original_class=original, compiled=compiled))
 
 
