@@ -21,6 +21,7 @@ from torch import nn
 import prime_ac
 from prime_ac.budget import BlockPlan, budget_context_fn
 from prime_ac.compiled import compiled_offload_supported
+from prime_ac.measure import measure_peak
 from prime_ac.offload import Offloader
 from prime_ac.wrapping import checkpoint_state, wrap_block
 
@@ -119,17 +120,17 @@ def test_a_peak_budget_holds_in_compiled_blocks():
         return m(x).float().square().mean()
 
     model = nn.Sequential(*(Block() for _ in range(LAYERS))).cuda()
-    _, no_ac, _ = _step(model)
+    no_ac = measure_peak(model, loss)  # as the planner measures: weight gradients exist already
     budget = no_ac // 2
     kwargs = dict(mode="selective", targets="auto", budget=budget, profile=loss)
     prime_ac.checkpoint_blocks(model, blocks=lambda n, m: isinstance(m, Block), **kwargs)
     for block in model:
         block.compile(backend="inductor", fullgraph=True)
-    _step(model)  # compiles
-    _, compiled_peak, _ = _step(model)
+    measure_peak(model, loss)  # compiles
+    compiled_peak = measure_peak(model, loss)
     prime_ac.checkpoint_blocks(model, blocks=lambda n, m: isinstance(m, Block), **kwargs)
-    _step(model)
-    _, replanned_peak, _ = _step(model)
+    measure_peak(model, loss)
+    replanned_peak = measure_peak(model, loss)
     print(
         f"\nbudget {budget >> 20} MiB (no AC {no_ac >> 20} MiB): compiled peak "
         f"{compiled_peak >> 20} MiB, planned on the compiled blocks {replanned_peak >> 20} MiB"
