@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).parents[1] / "prime_ac"
 # Each module may import only modules of a lower layer (the entry points sit on top).
 LAYERS = [
     {"_compat", "models", "tables", "planner", "offload", "remat"},
-    {"targets", "actions", "store", "ranks"},
+    {"targets", "actions", "store", "ranks", "compiled"},
     {"scopes"},
     {"policy"},
     {"config", "offload_targets"},
