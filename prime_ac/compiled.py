@@ -96,7 +96,7 @@ class CompiledPlan:
 
     def decide(self, op: Any, index: int, ctx: Any, args: tuple, kwargs: dict) -> str:
         """``"kept"``, ``"offloaded"`` or ``"replayed"`` for call ``index`` of ``op``."""
-        if op in self.planned and not _compat.returns_alias(op):
+        if op in self.planned and not _planned_never(op):  # as eager: views, writes replay
             if (op, index) in self.offloaded:
                 return "offloaded"
             if (op, index) in self.kept:
@@ -130,6 +130,10 @@ class CompiledPlan:
 
     def __repr__(self) -> str:
         return f"CompiledPlan({self.owner}: {len(self.kept)} kept, {len(self.offloaded)} offloaded)"
+
+
+def _planned_never(op: Any) -> bool:
+    return _compat.returns_alias(op) or _compat.schema_is_mutable(op)
 
 
 def _no_compiled_offload(owner: str, op: Any) -> str:
