@@ -11,6 +11,14 @@ exponent of both against the number of calls (time ~ calls ** exponent; 1 is lin
 
     python benchmarks/plan_scale.py            # the whole table (about a minute)
     python benchmarks/plan_scale.py --quick    # 8 and 32 blocks only
+    python benchmarks/plan_scale.py --llama    # a whole checkpoint_blocks(..., budget=) call
+
+``--llama`` times a whole ``checkpoint_blocks(..., budget=...)`` call (the audit's two steps,
+the planning, the measured step) on a Llama-style model from ``prime_ac.models`` (hidden 1024,
+8 layers, vocabulary 32,000, 128 tokens; budget 1.3x its full-AC peak) against a training step
+of the planned model (forward, backward, SGD) in the same run, as a ratio: the first call in
+the process (it imports what the audit and the FLOP counter need) and a second, on a fresh copy
+of the model.
 """
 
 from __future__ import annotations
@@ -94,7 +102,69 @@ def main(quick: bool = False) -> None:
         )
 
 
+def llama(tokens: int = 128) -> None:
+    import copy
+
+    import torch
+
+    import prime_ac
+    from prime_ac.measure import measure_peak
+    from prime_ac.models import build_model
+
+    torch.set_num_threads(1)
+    model = build_model(
+        "dense",
+        dim=1024,
+        n_layers=8,
+        n_heads=16,
+        n_kv_heads=8,
+        hidden_dim=2816,
+        vocab_size=32000,
+        max_seq_len=tokens + 1,
+    )
+    batch = torch.randint(0, 32000, (1, tokens + 1))
+
+    def loss(m: torch.nn.Module) -> torch.Tensor:
+        return m.loss(batch)
+
+    full = copy.deepcopy(model)
+    prime_ac.checkpoint_blocks(full, mode="full")
+    budget = int(1.3 * measure_peak(full, loss))
+    del full
+    planning = []
+    for again in (copy.deepcopy(model), model):
+        start = time.perf_counter()
+        prime_ac.checkpoint_blocks(
+            again, mode="selective", targets="auto", budget=budget, profile=loss
+        )
+        planning.append(time.perf_counter() - start)
+        del again
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    steps = []
+    for _ in range(3):
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        loss(model).backward()
+        optimizer.step()
+        steps.append(time.perf_counter() - start)
+    step = sorted(steps)[1]
+    peak = model.layers[0]._prime_ac.plan.peak
+    first = peak.tightened_from or peak
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(
+        f"checkpoint_blocks(budget={budget / 2**20:.1f} MiB): {planning[0]:.1f} s first, "
+        f"{planning[1]:.1f} s again; training step (median of 3): {step:.1f} s; ratio "
+        f"{planning[0] / step:.2f} first, {planning[1] / step:.2f} again (load {load:.1f}). "
+        "First plan: "
+        f"predicted {first.simulation.peak / 2**20:.2f} MiB, measured "
+        f"{first.measured / 2**20:.2f} MiB ({first.measured / budget:.3f} of the budget)"
+        + ("; planned again" if peak.tightened_from is not None else "")
+    )
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="8 and 32 blocks only")
-    main(parser.parse_args().quick)
+    parser.add_argument("--llama", action="store_true", help="time checkpoint_blocks on Llama")
+    args = parser.parse_args()
+    llama() if args.llama else main(args.quick)
