@@ -5,8 +5,9 @@ Random keep / offload / replay plans (seeded) over the built-in model's calls, a
 blocks and compiled one by one (``block.compile(backend="aot_eager")``, torchtitan's and
 prime-rl's way): the decisions the compiled graph was tagged with equal the eager audit's, per
 call; gradients are bitwise those of the same model compiled without AC; blocks of one class
-with different plans each keep their own calls, blocks with equal plans share one graph. The
-offload graph is checked on the meta device: a CPU build of torch cannot run autograd on fake
+with different plans each keep their own calls, blocks with equal plans share one graph; the
+conformance suite's transformers Llama compiles with its plan alike. The offload graph is
+checked on the meta device: a CPU build of torch cannot run autograd on fake
 CUDA tensors, and torch's offload pass treats every device but the host alike.
 """
 
@@ -392,3 +393,42 @@ def test_named_offload_in_compiled_blocks_is_tagged_not_silently_kept():
         torch.equal(a.grad, b.grad)
         for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True)
     )
+
+
+def test_a_transformers_llama_compiles_with_its_plan(monkeypatch):
+    """The conformance suite's Llama (transformers' decoder layers, compiled with fullgraph
+    after planning): every layer's graph tagged as its eager forward, call for call, the audit's
+    bytes those of the eager model, gradients bitwise those of the layers compiled without AC."""
+    pytest.importorskip("transformers")
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "conformance"))
+    from real_models import CASES
+
+    case = next(c for c in CASES if c.name == "llama")
+    batch = case.batch()
+
+    def loss(m):
+        return case.loss(m, batch)
+
+    torch._dynamo.reset()
+    grads = []
+    for checkpointed in (True, False):
+        model = case.build()
+        if checkpointed:
+            kwargs = dict(mode="selective", targets="auto", budget=0.5, profile=loss)
+            prime_ac.checkpoint_blocks(model, **kwargs)
+            eager = prime_ac.audit(model, loss).held_bytes
+        for name in case.blocks:
+            model.get_submodule(name).compile(backend="aot_eager", fullgraph=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", ".*compiled before their first step")
+            loss(model).backward()
+        grads.append([p.grad for p in model.parameters()])
+        if checkpointed:
+            report = prime_ac.audit(model, loss)
+            assert set(report.compiled_blocks.values()) == {
+                "compiled graph tagged as its eager forward, call for call"
+            }
+            assert report.held_bytes == eager
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
