@@ -432,3 +432,38 @@ def test_a_transformers_llama_compiles_with_its_plan(monkeypatch):
             }
             assert report.held_bytes == eager
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+def test_the_partitioned_graph_saves_the_eager_plans_kept_results():
+    """Read from the partitioned forward graph itself: the activations it saves for backward
+    (its outputs past the block's result that are no graph input) are the eager plan's kept
+    calls, operator and bytes alike."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    forwards = []
+    backend = aot_autograd(
+        fw_compiler=lambda g, _: forwards.append(g) or g,
+        bw_compiler=lambda g, _: g,
+        partition_fn=min_cut_rematerialization_partition,
+    )
+    torch._dynamo.reset()
+    model = build_model(n_layers=2, seed=0)
+    prime_ac.checkpoint_blocks(model, mode="selective", targets="auto", budget=0.5, profile=_loss)
+    kept = sorted(
+        (str(c.op), c.bytes)
+        for c in prime_ac.audit(model, _loss).calls["layers.0"]
+        if c.decision != "replayed"
+    )
+    assert kept  # the plan keeps something
+    model.layers[0].compile(backend=backend, fullgraph=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*compiled before their first step")
+        _loss(model).backward()
+    outputs = forwards[0].graph.find_nodes(op="output")[0].args[0][1:]
+    saved = sorted(
+        (str(n.target), n.meta["val"].numel() * n.meta["val"].element_size())
+        for n in outputs
+        if n.op == "call_function" and "recompute" in n.meta  # inside the region
+    )
+    assert saved == kept
