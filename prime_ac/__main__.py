@@ -134,7 +134,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         metavar="FILE",
         type=_html_file,
         help="also write the step's memory as one self-contained HTML page to FILE (held bytes "
-        "per block's forward and backward, the measured peak; prime_ac.report_html)",
+        "per block's forward and backward, the measured peak; prime_ac.report_html; default: no "
+        "page)",
     )
     plan = commands.add_parser(
         "plan",
@@ -167,7 +168,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         metavar="FILE",
         type=_html_file,
         help="also write the planned step's memory as one self-contained HTML page to FILE "
-        "(held bytes per block's forward and backward, the budget and predicted peak)",
+        "(held bytes per block's forward and backward, the budget and predicted peak; default: "
+        "no page)",
     )
     parser.plan_parser = plan  # type: ignore[attr-defined]
     return parser, audit
