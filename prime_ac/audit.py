@@ -23,9 +23,10 @@ from prime_ac import _compat
 from prime_ac._compat import tree_leaves
 from prime_ac.actions import Action
 from prime_ac.compiled import compiled_blocks, compiled_readings, eager_forwards
-from prime_ac.diagnostics import group_names, grouped, inputs_seen, unseen_bytes
+from prime_ac.diagnostics import inputs_seen, unseen_bytes
 from prime_ac.measure import operator_flops, track_step_by_block, track_step_by_device
 from prime_ac.modes import ReplayMode, written_tensors
+from prime_ac.planner import group_names, grouped
 from prime_ac.scopes import ScopeTracker
 from prime_ac.store import RegionStore
 from prime_ac.targets import TargetSet, operator_key
@@ -453,6 +454,13 @@ def audit(model: nn.Module, loss_fn: LossFn) -> AuditReport:
         report = prime_ac.audit(model, lambda m: m.loss(batch))
         print(report)                 # a table; report.to_json() for tools
     """
+    return _audit(model, loss_fn)
+
+
+def _audit(model: nn.Module, loss_fn: LossFn, baseline: bool = True) -> AuditReport:
+    """:func:`audit`; without ``baseline`` only the step with the policy runs (the no-AC fields
+    read 0): a peak budget's planner, which measures that step phase by phase instead, saves a
+    whole step."""
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"audit(model, loss_fn): model must be a torch.nn.Module wrapped by "
@@ -467,15 +475,21 @@ def audit(model: nn.Module, loss_fn: LossFn) -> AuditReport:
     loss_fn = _checked_loss(loss_fn)
     compiled = compiled_blocks(model, blocks)
     with _grads_preserved(model), eager_forwards(bool(compiled)):
-        with checkpointing_disabled(model):
-            held_none, block_none, forward_flops = track_step_by_block(model, loss_fn, dict(blocks))
+        held_none: dict[str, int] = {}
+        block_none: dict[str, int] = {}
+        if baseline:
+            with checkpointing_disabled(model):
+                held_none, block_none, forward_flops = track_step_by_block(
+                    model, loss_fn, dict(blocks)
+                )
         recorder = _Recorder()
         with (
             _recording(blocks, recorder),
             recorder.scopes.tracking(b for _, b in blocks),
             inputs_seen() as collected,
         ):
-            held, _ = track_step_by_device(model, loss_fn)
+            held, flops = track_step_by_device(model, loss_fn)
+        forward_flops = forward_flops if baseline else flops
         saving_nothing = [
             name
             for name, block in blocks

@@ -22,10 +22,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import re
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,15 +32,13 @@ import torch
 
 from prime_ac import _compat
 from prime_ac.actions import Action
-from prime_ac.planner import format_bytes
+from prime_ac.planner import format_bytes, group_names, grouped
 from prime_ac.store import KeptResult
 
 __all__ = [
     "BlockMemory",
     "Held",
     "MemoryReport",
-    "group_names",
-    "grouped",
     "labelled_allocations",
     "memory_report",
 ]
@@ -478,33 +475,3 @@ class _Labelling:
         with label(f"prime_ac {how} {self.store.name} {name}"):
             return super().__torch_dispatch__(func, types, args, kwargs)
 
-
-# --- grouping -----------------------------------------------------------------------------------
-
-
-def grouped(rows: Sequence[tuple[str, Any, Any]]) -> list[tuple[list[str], Any]]:
-    """``(name, key, value)`` rows with neighbours of equal ``key`` merged:
-    ``[(names, first value), ...]`` in order."""
-    groups: list[tuple[list[str], Any, Any]] = []
-    for name, key, value in rows:
-        if groups and groups[-1][1] == key:
-            groups[-1][0].append(name)
-        else:
-            groups.append(([name], key, value))
-    return [(names, value) for names, _, value in groups]
-
-
-_NUMBERED = re.compile(r"^(.*?)(\d+)$")
-
-
-def group_names(names: Sequence[str]) -> str:
-    """``"x4 layers.0-3"`` for several names counting up under one prefix, ``"x2 a, b"`` for
-    other groups, the name itself for one."""
-    if len(names) == 1:
-        return names[0]
-    parts = [_NUMBERED.match(n) for n in names]
-    if all(parts) and len({p.group(1) for p in parts}) == 1:
-        numbers = [int(p.group(2)) for p in parts]
-        if numbers == list(range(numbers[0], numbers[0] + len(numbers))):
-            return f"x{len(names)} {parts[0].group(1)}{numbers[0]}-{numbers[-1]}"
-    return f"x{len(names)} " + ", ".join(names)

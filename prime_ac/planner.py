@@ -22,6 +22,10 @@ the step still fits the budget and the host cap and gets faster (offload -> keep
 no upgrade lowers any point's bytes, a smaller budget never gives a larger peak. Mandatory,
 random and collective calls are kept or offloaded, never replayed; views and parameters are
 never offloaded.
+
+The helpers every report shares sit here too, at the bottom of prime_ac's layers:
+:func:`parse_bytes`, :func:`format_bytes`, and :func:`grouped` / :func:`group_names`, which
+merge identical neighbouring blocks into one row ("x4 layers.0-3").
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = [
     "DEFAULT_BANDWIDTH",
@@ -284,8 +289,6 @@ class Plan:
 
     def table(self) -> str:
         """Per block and call: the decision, the bytes, and the block's exposed copy time."""
-        from prime_ac.diagnostics import group_names, grouped
-
         sim = self.simulation
         rows = [f"{'block':<20} {'operator':<34} {'decision':<8} {'bytes':>14}"]
         same = [  # neighbouring blocks of equal calls, decisions and copy time: one group
@@ -657,3 +660,31 @@ def format_bytes(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{int(n)} B"
+
+
+def grouped(rows: Sequence[tuple[str, Any, Any]]) -> list[tuple[list[str], Any]]:
+    """``(name, key, value)`` rows with neighbours of equal ``key`` merged:
+    ``[(names, first value), ...]`` in order."""
+    groups: list[tuple[list[str], Any, Any]] = []
+    for name, key, value in rows:
+        if groups and groups[-1][1] == key:
+            groups[-1][0].append(name)
+        else:
+            groups.append(([name], key, value))
+    return [(names, value) for names, _, value in groups]
+
+
+_NUMBERED = re.compile(r"^(.*?)(\d+)$")
+
+
+def group_names(names: Sequence[str]) -> str:
+    """``"x4 layers.0-3"`` for several names counting up under one prefix, ``"x2 a, b"`` for
+    other groups, the name itself for one."""
+    if len(names) == 1:
+        return names[0]
+    parts = [_NUMBERED.match(n) for n in names]
+    if all(parts) and len({p.group(1) for p in parts}) == 1:
+        numbers = [int(p.group(2)) for p in parts]
+        if numbers == list(range(numbers[0], numbers[0] + len(numbers))):
+            return f"x{len(names)} {parts[0].group(1)}{numbers[0]}-{numbers[-1]}"
+    return f"x{len(names)} " + ", ".join(names)

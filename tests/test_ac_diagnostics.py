@@ -24,8 +24,9 @@ from torch import nn
 
 import prime_ac
 from prime_ac import _compat, diagnostics, planner
-from prime_ac.diagnostics import group_names, memory_report
+from prime_ac.diagnostics import memory_report
 from prime_ac.models import build_model
+from prime_ac.planner import group_names
 
 
 class Fails(nn.Module):
