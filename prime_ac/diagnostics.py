@@ -474,4 +474,3 @@ class _Labelling:
             name = name.replace(".", "::", 1)
         with label(f"prime_ac {how} {self.store.name} {name}"):
             return super().__torch_dispatch__(func, types, args, kwargs)
-
