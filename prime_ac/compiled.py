@@ -200,9 +200,12 @@ class _TaggingMode(_compat.CachingSACMode):
     """torch's forward SAC mode; on leaving, the nodes it tagged ``MUST_CPU_OFFLOAD`` become
     saved values marked for torch's offload pass (values on the CPU: saved in place). Made by
     giving the mode ``create_selective_checkpoint_contexts`` returns this class: it adds no
-    state, and the mode's constructor and storage differ across torch releases."""
+    state, and the mode's constructor and storage differ across torch releases. Higher-order
+    operators (flex_attention, invoke_subgraph) find their rule by the mode's exact class, so
+    the redirect torch registers for its own mode is registered for this one too."""
 
     def __enter__(self) -> Any:
+        _compat.redirect_hops(type(self))
         proxy = _compat.proxy_mode()
         self._graph = proxy.tracer.graph if proxy is not None else None
         self._start = len(self._graph.nodes) if self._graph is not None else 0
