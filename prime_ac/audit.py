@@ -24,7 +24,12 @@ from prime_ac._compat import tree_leaves
 from prime_ac.actions import Action
 from prime_ac.compiled import compiled_blocks, compiled_readings, eager_forwards
 from prime_ac.diagnostics import inputs_seen, unseen_bytes
-from prime_ac.measure import operator_flops, track_step_by_block, track_step_by_device
+from prime_ac.measure import (
+    grads_preserved,
+    operator_flops,
+    track_step_by_block,
+    track_step_by_device,
+)
 from prime_ac.modes import ReplayMode, written_tensors
 from prime_ac.planner import group_names, grouped
 from prime_ac.scopes import ScopeTracker
@@ -428,18 +433,6 @@ def _checked_loss(loss_fn: LossFn) -> LossFn:
     return checked
 
 
-@contextmanager
-def _grads_preserved(model: nn.Module) -> Iterator[None]:
-    # backward accumulates into an existing .grad in place, so the audit starts from None
-    saved = {p: p.grad for p in model.parameters()}
-    model.zero_grad(set_to_none=True)
-    try:
-        yield
-    finally:
-        for p, g in saved.items():
-            p.grad = g
-
-
 def audit(model: nn.Module, loss_fn: LossFn) -> AuditReport:
     """Run one training step (``loss_fn(model).backward()``) and report the policy in effect.
 
@@ -474,7 +467,7 @@ def _audit(model: nn.Module, loss_fn: LossFn, baseline: bool = True) -> AuditRep
     blocks = _checkpointed_blocks(model)
     loss_fn = _checked_loss(loss_fn)
     compiled = compiled_blocks(model, blocks)
-    with _grads_preserved(model), eager_forwards(bool(compiled)):
+    with grads_preserved(model), eager_forwards(bool(compiled)):
         held_none: dict[str, int] = {}
         block_none: dict[str, int] = {}
         if baseline:

@@ -43,13 +43,14 @@ from torch import nn
 
 from prime_ac import planner, ranks
 from prime_ac._compat import returns_alias, schema_is_mutable, tree_leaves
-from prime_ac.audit import _grads_preserved, audit, op_name
+from prime_ac.audit import audit, op_name
 from prime_ac.compiled import eager_forwards
 from prime_ac.contexts import checkpoint_contexts, with_recipe
 from prime_ac.measure import (
     CallTimer,
     PeakTracker,
     copy_bandwidth,
+    grads_preserved,
     measure_peak,
     rng_states_counted,
 )
@@ -793,7 +794,7 @@ def _measure(
         cpu = all(p.device.type != "cuda" for p in model.parameters())
         with (
             ranks.failures_reported(group, ranks.most),
-            _grads_preserved(model),
+            grads_preserved(model),
             eager_forwards(cpu),
         ):
             measured = measure_peak(model, profile, host, rng)

@@ -37,6 +37,7 @@ __all__ = [
     "StepStats",
     "StorageTracker",
     "copy_bandwidth",
+    "grads_preserved",
     "measure_peak",
     "measure_step",
     "operator_flops",
@@ -367,6 +368,23 @@ class PeakTracker(TorchDispatchMode):
     def _freed(self, key: int, nbytes: int) -> None:
         self._seen.discard(key)
         self.alive -= nbytes
+
+
+@contextlib.contextmanager
+def grads_preserved(model: nn.Module) -> Iterator[None]:
+    """The model's parameter gradients set aside while a measuring step runs, put back after.
+
+    Backward accumulates into an existing ``.grad`` in place, so the step starts from None
+    (its numbers are the step's alone) and the gradients the model held (accumulated
+    micro-batches) come back as they were, whether the step returns or raises.
+    """
+    saved = {p: p.grad for p in model.parameters()}
+    model.zero_grad(set_to_none=True)
+    try:
+        yield
+    finally:
+        for p, g in saved.items():
+            p.grad = g
 
 
 @contextlib.contextmanager
