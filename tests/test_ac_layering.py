@@ -17,15 +17,16 @@ PACKAGE = Path(__file__).parents[1] / "prime_ac"
 
 # Each module may import only modules of a lower layer (the entry points sit on top).
 LAYERS = [
-    {"_compat", "models", "tables", "planner", "offload", "remat"},
+    {"_compat", "models", "tables", "planner", "remat", "report_html"},
     {"targets", "actions", "store", "ranks", "compiled"},
-    {"scopes"},
-    {"policy"},
-    {"config", "offload_targets"},
+    {"scopes", "diagnostics"},
+    {"policy", "offload"},  # offload labels its buffers' allocations (diagnostics)
+    {"pipeline_offload"},
+    {"config"},
     {"modes", "layer_modes"},
     {"watch", "keep"},
     {"contexts"},
-    {"region", "discovery", "measure"},
+    {"region", "discovery", "measure", "offload_targets"},  # offload_targets: contexts' recipes
     {"wrapping"},
     {"audit"},
     {"budget"},
