@@ -13,8 +13,8 @@ exponent of both against the number of calls (time ~ calls ** exponent; 1 is lin
     python benchmarks/plan_scale.py --quick    # 8 and 32 blocks only
     python benchmarks/plan_scale.py --llama    # a whole checkpoint_blocks(..., budget=) call
 
-``--llama`` times a whole ``checkpoint_blocks(..., budget=...)`` call (the audit's two steps,
-the planning, the measured step) on a Llama-style model from ``prime_ac.models`` (hidden 1024,
+``--llama`` times a whole ``checkpoint_blocks(..., budget=...)`` call (the audit's full-mode
+step, measured phase by phase; the planning; the measured step) on a Llama-style model from ``prime_ac.models`` (hidden 1024,
 8 layers, vocabulary 32,000, 128 tokens; budget 1.3x its full-AC peak) against a training step
 of the planned model (forward, backward, SGD) in the same run, as a ratio: the first call in
 the process (it imports what the audit and the FLOP counter need) and a second, on a fresh copy

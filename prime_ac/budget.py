@@ -43,7 +43,7 @@ from torch import nn
 
 from prime_ac import planner, ranks
 from prime_ac._compat import returns_alias, schema_is_mutable, tree_leaves
-from prime_ac.audit import audit, op_name
+from prime_ac.audit import _audit, op_name
 from prime_ac.compiled import eager_forwards
 from prime_ac.contexts import checkpoint_contexts, with_recipe
 from prime_ac.measure import (
@@ -417,7 +417,8 @@ def plan_budget(
     A peak budget's offloads hold at most ``host_cap`` bytes on the host (an int or a string
     such as ``"64GiB"``; None: no cap). On CPU, where host and device are one memory, an
     offload frees nothing, so none is planned unless ``host_cap`` is given. The audit's
-    full-mode step is measured phase by phase (:class:`StepMemory`) for the planner.
+    full-mode step is measured phase by phase (:class:`StepMemory`) for the planner, in place
+    of its no-AC step (not run for a peak budget).
 
     Returns ``{block name: plan}``; the model is left as it was (the caller applies the plans).
     """
@@ -439,7 +440,8 @@ def plan_budget(
         with timer or contextlib.nullcontext(), phases or contextlib.nullcontext() as measured:
             tracker, profiled = measured or (None, profile)
             with tracker or contextlib.nullcontext():
-                report = audit(model, profiled)
+                # a peak plan reads no no-AC baseline: the phases stand in for it
+                report = _audit(model, profiled, baseline=not peak)
         link = copy_bandwidth(device) if peak else None
     limit = planner.parse_bytes(budget) if peak else 0
     calls = {name: report.calls.get(name, []) for name in report.blocks}
@@ -486,8 +488,8 @@ def profiles(
 
     A call's replay time is ``seconds[(block, op, index)]`` where it was measured
     (:class:`prime_ac.measure.CallTimer`, on CUDA), else its FLOPs at ``FLOP_RATE``. What
-    autograd saved for each block without checkpointing (measured in the same step) is its
-    recompute's working set.
+    autograd saved for each block without checkpointing (the audit's no-AC step; for a peak
+    plan, what the block's recompute left alive, from ``memory``) is its recompute's working set.
 
     What the step holds beyond the blocks' results (their inputs, the embeddings, the logits
     and the loss, saved RNG states, temporaries and gradients in flight) comes from ``memory``,
@@ -532,11 +534,14 @@ class StepMemory:
     saved RNG states on CPU): ``forward[block]`` from the end of the block before (the
     embeddings before the first) to the block's end, ``backward[block]`` from the gradient of
     the block's output to that of the block before (the first block's to the end of the step),
-    ``after`` from the last block's forward to its backward (the loss and its gradient)."""
+    ``after`` from the last block's forward to its backward (the loss and its gradient);
+    ``recomputed[block]``: what the block's recompute left alive when its backward's first
+    operator ran (what autograd saves for it, less its kept results)."""
 
     forward: dict[str, int] = field(default_factory=dict)
     backward: dict[str, int] = field(default_factory=dict)
     after: int | None = None
+    recomputed: dict[str, int] = field(default_factory=dict)
 
 
 def _with_extras(
@@ -544,10 +549,14 @@ def _with_extras(
 ) -> list[planner.BlockProfile]:
     """``blocks`` with each measured phase's bytes beyond what the simulator counts for the
     profiled plan (mandatory results kept, the rest replayed) as its extras; a phase the
-    simulator counts above its measurement adds nothing (the prediction stays above)."""
+    simulator counts above its measurement adds nothing (the prediction stays above). A block
+    without a no-AC measurement takes its recompute's bytes and its kept results as what
+    autograd saves for it."""
     extended, before = [], 0  # before: what the blocks before keep
     for i, block in enumerate(blocks):
         kept = sum(c.bytes for c in block.calls if c.kind == "mandatory")
+        if block.saved_bytes is None and block.name in memory.recomputed:
+            block = dataclasses.replace(block, saved_bytes=memory.recomputed[block.name] + kept)
         forward, running = 0, 0
         for c in block.calls:
             forward = max(forward, running + c.bytes)
@@ -566,13 +575,17 @@ def _with_extras(
 
 class _PhaseTracker(PeakTracker):
     """:class:`prime_ac.measure.PeakTracker` counting from :meth:`start` (the full-mode step
-    of the audit), with the most held in each ``phase`` that hooks set."""
+    of the audit), with the most held in each ``phase`` that hooks set, and what each block's
+    recompute (the operators its backward phase runs with gradients enabled) left alive."""
 
     def __init__(self) -> None:
         super().__init__()
         self.started = False
         self.phase: tuple[str, str | None] | None = None
         self.most: dict[tuple[str, str | None], int] = {}
+        self.recomputed: dict[str, int] = {}
+        self.recomputing = False
+        self.phase_start = 0
 
     def start(self) -> None:
         self.started = True
@@ -581,6 +594,14 @@ class _PhaseTracker(PeakTracker):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self.started:
             return func(*args, **(kwargs or {}))
+        where, name = self.phase or (None, None)
+        if where == "backward" and name not in self.recomputed:
+            if torch.is_grad_enabled():
+                self.recomputing = True
+            elif self.recomputing and func is not torch.ops.aten.detach.default:
+                # the block's first backward operator (the recompute detaches what it saves)
+                self.recomputed[name] = max(self.held() - self.phase_start, 0)
+                self.recomputing = False
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if self.phase is not None:
             here = self.held()
@@ -588,7 +609,7 @@ class _PhaseTracker(PeakTracker):
         return out
 
     def memory(self) -> StepMemory:
-        found = StepMemory(after=self.most.get(("after", None)))
+        found = StepMemory(after=self.most.get(("after", None)), recomputed=dict(self.recomputed))
         for (where, name), most in self.most.items():
             if name is not None:
                 getattr(found, where)[name] = most
@@ -610,6 +631,11 @@ def _phases_measured(
 
     def measured_profile(model: nn.Module) -> Any:
         if checkpointing() and not tracker.started:
+            # the weight gradients go into memory the model holds, as in measure_peak's steps
+            # (the audit's caller keeps the gradients the model had)
+            for p in model.parameters():
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
             tracker.start()
             tracker.phase = ("forward", names[0])
         elif not checkpointing():
@@ -620,6 +646,7 @@ def _phases_measured(
         handle[0].remove()
         if tracker.phase is not None:
             tracker.phase = ("backward", name)
+            tracker.phase_start, tracker.recomputing = tracker.held(), False
 
     def forward_done(index: int, module: nn.Module, args: Any, out: Any) -> None:
         if tracker.phase is None:
