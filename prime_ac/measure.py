@@ -181,16 +181,19 @@ class StorageTracker(TorchDispatchMode):
             held[device] = held.get(device, 0) + storage.nbytes()
         return dict(sorted(held.items()))
 
-    def held_bytes_by_owner(self) -> dict[str | None, int]:
-        """Held bytes per owner: the storages created while ``owner`` was set to it."""
+    def held_bytes_by_owner(self, collect: bool = True) -> dict[str | None, int]:
+        """Held bytes per owner: the storages created while ``owner`` was set to it.
+        ``collect=False`` right after another reading, which collected the garbage (a full
+        collection walks every Python object: 0.3 s once torch._dynamo is imported)."""
         held: dict[str | None, int] = {}
-        for ptr, storage in self._alive().items():
+        for ptr, storage in self._alive(collect).items():
             owner = self._owners.get(ptr)
             held[owner] = held.get(owner, 0) + storage.nbytes()
         return held
 
-    def _alive(self) -> dict[int, torch.UntypedStorage]:
-        gc.collect()
+    def _alive(self, collect: bool = True) -> dict[int, torch.UntypedStorage]:
+        if collect:  # storages only a reference cycle holds are garbage, not held
+            gc.collect()
         alive = {}
         for ptr, ref in self._storages.items():
             storage = ref()
@@ -282,7 +285,7 @@ def track_step_by_block(
             hook.remove()
     tracker.forget([loss, *model.parameters(), *model.buffers()])
     held = tracker.held_bytes_by_device()
-    by_owner = tracker.held_bytes_by_owner()
+    by_owner = tracker.held_bytes_by_owner(collect=False)  # the same instant: one collection
     loss.backward()
     return held, {name: by_owner.get(name, 0) for name in blocks}, counter.flops
 
