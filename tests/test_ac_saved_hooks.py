@@ -38,8 +38,8 @@ class Model(nn.Module):
 class OffloadLike:
     """save_on_cpu's shape on a CPU: pack makes a copy (the "host" tensor), unpack hands it
     back; counts what each kind packed. Torch 2.9's checkpoint saves a zero-element placeholder
-    beside each block's inputs (its _NoopSaveInputs; 2.13 and 2.14 save the inputs alone): packed and
-    unpacked like them, but left out of the counts, which are then the same on every torch."""
+    beside each block's inputs (its _NoopSaveInputs; 2.13 and 2.14 save the inputs alone):
+    packed and unpacked like them, but left out of the counts, the same on every torch."""
 
     def __init__(self):
         self.packed: Counter = Counter()
