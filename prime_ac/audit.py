@@ -447,10 +447,10 @@ def audit(model: nn.Module, loss_fn: LossFn) -> AuditReport:
         report = prime_ac.audit(model, lambda m: m.loss(batch))
         print(report)                 # a table; report.to_json() for tools
     """
-    return _audit(model, loss_fn)
+    return run_audit(model, loss_fn)
 
 
-def _audit(model: nn.Module, loss_fn: LossFn, baseline: bool = True) -> AuditReport:
+def run_audit(model: nn.Module, loss_fn: LossFn, baseline: bool = True) -> AuditReport:
     """:func:`audit`; without ``baseline`` only the step with the policy runs (the no-AC fields
     read 0): a peak budget's planner, which measures that step phase by phase instead, saves a
     whole step."""

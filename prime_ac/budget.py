@@ -43,7 +43,7 @@ from torch import nn
 
 from prime_ac import planner, ranks
 from prime_ac._compat import returns_alias, schema_is_mutable, tree_leaves
-from prime_ac.audit import _audit, op_name
+from prime_ac.audit import op_name, run_audit
 from prime_ac.compiled import eager_forwards
 from prime_ac.contexts import checkpoint_contexts, with_recipe
 from prime_ac.measure import (
@@ -441,7 +441,7 @@ def plan_budget(
             tracker, profiled = measured or (None, profile)
             with tracker or contextlib.nullcontext():
                 # a peak plan reads no no-AC baseline: the phases stand in for it
-                report = _audit(model, profiled, baseline=not peak)
+                report = run_audit(model, profiled, baseline=not peak)
         link = copy_bandwidth(device) if peak else None
     limit = planner.parse_bytes(budget) if peak else 0
     calls = {name: report.calls.get(name, []) for name in report.blocks}
