@@ -337,6 +337,30 @@ def test_fa4_softcap_refused_in_the_sm100_head_dim_256_backward(monkeypatch):
     flash.fa4_softcap(256, 256, 100, 5.0)
 
 
+@pytest.mark.parametrize(
+    ("release", "refused"),
+    [
+        ("4.0.0b28", True),
+        ("4.0.0b36", True),
+        ("4.0.0b39", False),
+        ("4.0.0b40", False),
+        ("4.0.0", False),
+        ("4.1.2", False),
+    ],
+)
+def test_fa4_softcap_limit_follows_the_installed_release(monkeypatch, release, refused):
+    """flash-attn-4 4.0.0b39 dropped the dedicated SM100 (256, 256) backward that has no
+    softcap: from that release on the call is FA4's to take, not refused."""
+    monkeypatch.delenv("FLASH_ATTENTION_HD256_GENERIC_BWD", raising=False)
+    versions = {"flash-attn-4": release}
+    monkeypatch.setattr(flash.importlib.metadata, "version", versions.__getitem__)
+    if refused:
+        with pytest.raises(ValueError, match=r"softcap=5.0\) before flash-attn-4 4.0.0b39"):
+            flash.fa4_softcap(256, 256, 100, 5.0)
+    else:
+        flash.fa4_softcap(256, 256, 100, 5.0)
+
+
 def test_fa4_softcap_backward_refused_while_tracing(monkeypatch):
     """The fake of FA4's backward refuses what its kernel would: a trace fails, not step 1."""
     monkeypatch.delenv("FLASH_ATTENTION_HD256_GENERIC_BWD", raising=False)

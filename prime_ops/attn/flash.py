@@ -20,7 +20,9 @@ Libraries are imported on the first call through :func:`prime_ops.backends.impor
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import re
 from typing import TYPE_CHECKING
 
 import torch
@@ -169,24 +171,43 @@ def fa4_head_dims(head_dim: int, head_dim_v: int, arch: int | None, backward: bo
 
 
 def fa4_softcap(head_dim: int, head_dim_v: int, arch: int | None, softcap: float) -> None:
-    """FA4's backward (``flash_attn/cute/interface.py``, ``_flash_attn_bwd``) runs head dims
-    (256, 256) on SM100/SM110 in a dedicated kernel and asserts ``softcap == 0.0`` for it, unless
-    ``FLASH_ATTENTION_HD256_GENERIC_BWD=1`` picks its general kernel, which takes softcap. Checked
-    with the head dims in the backward's kernel and fake (so also while tracing)."""
+    """FA4's backward (``flash_attn/cute/interface.py``, ``_flash_attn_bwd``) before 4.0.0b39 runs
+    head dims (256, 256) on SM100/SM110 in a dedicated kernel and asserts ``softcap == 0.0`` for
+    it, unless ``FLASH_ATTENTION_HD256_GENERIC_BWD=1`` picks its general kernel, which takes
+    softcap; 4.0.0b39 dropped that kernel, and its backward takes softcap there. Checked with the
+    head dims in the backward's kernel and fake (so also while tracing); without flash-attn-4
+    installed (a trace on a machine without it) the rule of the extra's floor, 4.0.0b28, holds."""
     if (
         softcap > 0.0
         and arch is not None
         and arch // 10 in (10, 11)
         and (head_dim, head_dim_v) == (256, 256)
         and os.environ.get("FLASH_ATTENTION_HD256_GENERIC_BWD", "0") != "1"
+        and _fa4_has_hd256_backward()
     ):
         _refuse(
             "fa4",
             f"(q/k {head_dim}, v {head_dim_v})",
             f"FA4's SM{arch} backward for head dims (256, 256) has no softcap (got "
-            f"softcap={softcap}); use 'fa2', softcap=0, or FLASH_ATTENTION_HD256_GENERIC_BWD=1 "
-            "(FA4's general backward kernel)",
+            f"softcap={softcap}) before flash-attn-4 4.0.0b39; use 'fa2', softcap=0, "
+            "FLASH_ATTENTION_HD256_GENERIC_BWD=1 (FA4's general backward kernel) or "
+            "flash-attn-4>=4.0.0b39",
         )
+
+
+def _fa4_has_hd256_backward() -> bool:
+    """Whether the installed flash-attn-4 (read without importing it) is older than 4.0.0b39,
+    the first release without the dedicated SM100 (256, 256) backward; True if none is."""
+    try:
+        release = importlib.metadata.version("flash-attn-4")
+    except importlib.metadata.PackageNotFoundError:
+        return True
+    match = re.match(r"(\d+)\.(\d+)\.(\d+)(?:b(\d+))?", release)
+    if match is None:
+        return True
+    major, minor, patch, beta = match.groups()
+    final = beta is None  # 4.0.0 comes after every 4.0.0bN
+    return (int(major), int(minor), int(patch), final, int(beta or 0)) < (4, 0, 0, False, 39)
 
 
 # --- FA2 ---------------------------------------------------------------------------------------

@@ -17,9 +17,12 @@ import tempfile
 import time
 from typing import NamedTuple
 
-FA4_VERSIONS = ("4.0.0b28", "4.0.0b30", "4.0.0b36")
+FA4_VERSIONS = ("4.0.0b28", "4.0.0b30", "4.0.0b36", "4.0.0b40")
 """flash-attn-4 releases these cases were checked against (tests/libraries skips any other);
 the runner's rows from b28 and b30 equal b36's (pyproject.toml's floor comment says more)."""
+FA4_HD256_NO_SOFTCAP = ("4.0.0b28", "4.0.0b30", "4.0.0b36")
+"""Those of them whose SM100 (256, 256) backward is a dedicated kernel without softcap (b39
+dropped it: b40's backward takes softcap there)."""
 QUACK_VERSIONS = ("0.6.5",)
 """quack-kernels releases checked the same way."""
 
@@ -145,7 +148,8 @@ FA4_REFUSED = {
     "hdim264_sm90": AttnCase((64,), h=2, hkv=2, d=264, dv=264, arches=("sm_90",), backward=False),
     "hdim136_sm100": AttnCase((64,), h=2, hkv=2, d=136, dv=136, arches=("sm_100",), backward=False),
     # FA4's dedicated (256, 256) SM100 backward asserts softcap == 0 (prime_ops refuses it in
-    # its fake and kernel; FLASH_ATTENTION_HD256_GENERIC_BWD=1 takes it, test_fa4_compile.py)
+    # its fake and kernel; FLASH_ATTENTION_HD256_GENERIC_BWD=1 takes it, test_fa4_compile.py);
+    # refused only by the releases in FA4_HD256_NO_SOFTCAP, taken by later ones
     "hdim256_softcap_bwd_sm100": AttnCase(
         (64,), h=2, hkv=2, d=256, dv=256, softcap=5.0, arches=("sm_100",)
     ),
