@@ -417,10 +417,11 @@ _raw_saved_names: dict[type, tuple[str, ...]] = {}
 def set_allocation_label(label: str) -> bool:
     """Attach ``label`` to the CUDA caching allocator's later allocations ("" clears it), as
     they appear in ``torch.cuda.memory._snapshot()``'s traces; False where this torch cannot
-    (a CPU build, or a release without it). ``torch._C._cuda_setMemoryMetadata`` (what
+    (a CPU build, a release without it, or a CUDA build with no usable GPU, where the call
+    would raise initialising CUDA). ``torch._C._cuda_setMemoryMetadata`` (what
     ``torch.cuda.memory._set_memory_metadata`` calls). Public replacement: none."""
     setter = getattr(torch._C, "_cuda_setMemoryMetadata", None)
-    if setter is None:
+    if setter is None or not torch.cuda.is_available():
         return False
     setter(label)
     return True
