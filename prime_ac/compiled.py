@@ -189,7 +189,9 @@ def plan_contexts(handle: Callable[[], CompiledPlan]) -> tuple[Any, Any]:
     """The (forward, recompute) contexts of one traced region applying ``handle()``."""
     plan = handle()
     _count_traced(plan)
-    _warn_unwatched(plan.policy)
+    scoped = getattr(plan.policy, "scoped", None)
+    if scoped is None or not scoped.needs_region:  # region targets refuse compile: no advice
+        _warn_unwatched(plan.policy)
     forward, recompute = create_selective_checkpoint_contexts(plan.tagger())
     forward.__class__ = _TaggingMode  # the same mode and storage (whose layout torch changes)
     forward.plan = plan
